@@ -1,0 +1,32 @@
+"""Domain errors of the cache stack.
+
+Invariant violations are ``AssertionError`` (with context); caller misuse is ``ValueError``
+listing the valid choices; everything a user or operator can cause at run time is a
+``HiCacheError`` subclass, which the CLI maps to a one-line message and an exit code.
+"""
+
+from __future__ import annotations
+
+
+class HiCacheError(Exception):
+    """Base of every domain failure."""
+
+
+class InputError(HiCacheError):
+    """Unreadable or malformed user input (trace, log, snapshot, request)."""
+
+
+class OutOfCapacity(HiCacheError):
+    """A tier cannot hold what was asked even after evicting everything evictable."""
+
+
+class StorageError(HiCacheError):
+    """An L3 backend failed (unreachable, I/O error)."""
+
+
+class CorruptObject(StorageError):
+    """A stored object failed its checksum or layout check; treated as a miss."""
+
+
+class CheckFailed(HiCacheError):
+    """A checker found a problem (exit code 3 in the CLI)."""
