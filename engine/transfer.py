@@ -1,0 +1,164 @@
+"""Moving pages between tiers: asynchronous, two-phase, with per-layer completion.
+
+A :class:`TransferOp` copies a list of pages from one pool to another, layer by layer. The
+caller *prepares* (allocates destination pages, builds the op), *submits*, and later *completes*
+it (the cache commits the destination tier when :meth:`TransferOp.done` is true). In-flight data
+is never a hit.
+
+* On CUDA, copies run on a dedicated stream (the copy engines); each layer records an event and
+  :meth:`TransferOp.wait_layer` makes the current stream wait on it.
+* On CPU, a worker thread performs the same per-layer copies with plain tensor copies and sets
+  one ``threading.Event`` per layer: the same code path, the same ordering guarantees.
+* Without pools (metadata-only replay) an op is complete as soon as it is submitted.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import queue
+import threading
+from typing import Any
+
+import numpy as np
+
+
+class OpKind(str, enum.Enum):
+    LOAD = "load"        # L2 -> L1 (load-back)
+    BACKUP = "backup"    # L1 -> L2
+    PREFETCH = "prefetch"  # L3 -> L2
+
+
+class TransferOp:
+    __slots__ = ("op_id", "kind", "src", "src_pages", "dst", "dst_pages", "num_layers",
+                 "_layer_events", "_cuda_events", "_error", "payload")
+
+    def __init__(self, op_id: int, kind: OpKind, src: Any, src_pages: np.ndarray, dst: Any,
+                 dst_pages: np.ndarray, num_layers: int, payload: Any = None):
+        self.op_id = op_id
+        self.kind = kind
+        self.src, self.src_pages = src, src_pages
+        self.dst, self.dst_pages = dst, dst_pages
+        self.num_layers = num_layers
+        self._layer_events = [threading.Event() for _ in range(num_layers)]
+        self._cuda_events: list | None = None
+        self._error: BaseException | None = None
+        self.payload = payload  # what the cache needs to commit it (nodes, ...)
+
+    # -- completion -------------------------------------------------------------------------
+    def _finish_layer(self, layer: int) -> None:
+        self._layer_events[layer].set()
+
+    def _fail(self, exc: BaseException) -> None:
+        self._error = exc
+        for ev in self._layer_events:
+            ev.set()
+
+    def layer_done(self, layer: int) -> bool:
+        if not self._layer_events[layer].is_set():
+            return False
+        if self._cuda_events is not None:
+            return bool(self._cuda_events[layer].query())
+        return True
+
+    def done(self) -> bool:
+        return self.num_layers == 0 or self.layer_done(self.num_layers - 1)
+
+    def wait_layer(self, layer: int) -> None:
+        """Return when layer ``layer`` is usable by the caller (on CUDA: ordered on its stream)."""
+        self._layer_events[layer].wait()
+        if self._error is not None:
+            raise RuntimeError(f"transfer {self.kind.value}#{self.op_id} failed") from self._error
+        if self._cuda_events is not None:
+            import torch
+
+            torch.cuda.current_stream().wait_event(self._cuda_events[layer])
+
+    def wait(self) -> None:
+        for layer in range(self.num_layers):
+            self.wait_layer(layer)
+        if self._cuda_events is not None and self.num_layers:
+            self._cuda_events[-1].synchronize()
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+
+class TransferEngine:
+    """Executes ops in submission order per queue, loads before backups."""
+
+    def __init__(self, device: str = "cpu"):
+        self.device = device
+        self._next_id = 0
+        self._work: "queue.PriorityQueue[tuple[int, int, TransferOp | None]]" = queue.PriorityQueue()
+        self._thread: threading.Thread | None = None
+        self._stream = None
+        self._lock = threading.Lock()
+        self.bytes_moved = collections.Counter()
+
+    def new_op(self, kind: OpKind, src, src_pages, dst, dst_pages, num_layers: int,
+               payload: Any = None) -> TransferOp:
+        op = TransferOp(self._next_id, kind, src, np.asarray(src_pages, dtype=np.int64), dst,
+                        np.asarray(dst_pages, dtype=np.int64), num_layers, payload)
+        self._next_id += 1
+        return op
+
+    def submit(self, op: TransferOp) -> TransferOp:
+        if op.src is None or op.dst is None or len(op.src_pages) == 0:
+            for layer in range(op.num_layers):
+                op._finish_layer(layer)
+            return op
+        if self.device.startswith("cuda"):
+            self._run_cuda(op)
+            return op
+        self._ensure_thread()
+        prio = 0 if op.kind is OpKind.LOAD else 1
+        self._work.put((prio, op.op_id, op))
+        return op
+
+    # -- CPU: a worker thread ------------------------------------------------------------------
+    def _ensure_thread(self) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._worker, name="hicache-transfer",
+                                                daemon=True)
+                self._thread.start()
+
+    def _worker(self) -> None:
+        while True:
+            _, _, op = self._work.get()
+            if op is None:
+                return
+            try:
+                for layer in range(op.num_layers):
+                    data = op.src.get_layer(layer, op.src_pages)
+                    op.dst.set_layer(layer, op.dst_pages, data)
+                    self.bytes_moved[op.kind.value] += data.numel() * data.element_size()
+                    op._finish_layer(layer)
+            except BaseException as exc:  # surfaced by wait_layer; never swallowed
+                op._fail(exc)
+
+    # -- CUDA: a dedicated stream ------------------------------------------------------------
+    def _run_cuda(self, op: TransferOp) -> None:
+        import torch
+
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        op._cuda_events = []
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            for layer in range(op.num_layers):
+                data = op.src.get_layer(layer, op.src_pages)
+                op.dst.set_layer(layer, op.dst_pages, data)
+                ev = torch.cuda.Event()
+                ev.record(self._stream)
+                op._cuda_events.append(ev)
+                self.bytes_moved[op.kind.value] += data.numel() * data.element_size()
+                op._finish_layer(layer)
+
+    def close(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._work.put((2, 1 << 62, None))
+            self._thread.join(timeout=5)
+        self._thread = None
