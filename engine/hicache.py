@@ -154,9 +154,9 @@ class HiCache:
         else:
             self.l1 = None
             self.l2 = None
-            self.l1_alloc = PageAllocator(config.l1_pages, p, name="L1")
-            self.l2_alloc = PageAllocator(config.l2_pages, p, name="L2") if config.l2_pages \
-                else None
+            self.l1_alloc = PageAllocator(config.l1_pages, p, name="L1", strict=False)
+            self.l2_alloc = (PageAllocator(config.l2_pages, p, name="L2", strict=False)
+                             if config.l2_pages else None)
             self.num_layers = 1
         self.transfers = TransferEngine(self.device)
         self.l3 = None  # an engine.l3.L3Tier when external storage is configured

@@ -1,0 +1,28 @@
+"""The ``hicache`` command: assembles the sub-commands, nothing else."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="hicache",
+    help="Hierarchical KV cache toolkit: benchmark, inspect radix trees, check rank logs, "
+         "convert stored KV layouts.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+# One line per command module; each module exposes ``register(app)``.
+from hicache_cli import cmd_bench  # noqa: E402
+
+cmd_bench.register(app)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""``hicache bench replay TRACE``: offline, trace-driven simulation of the cache stack."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from hicache_cli.output import OutputFormat, emit_json, fail, handle_errors, stderr, stdout
+
+
+def _positive(name: str, value: int, allow_zero: bool = True, allow_unbounded: bool = False):
+    if allow_unbounded and value == -1:
+        return
+    lo = 0 if allow_zero else 1
+    if value < lo:
+        what = ">= 0" if allow_zero else ">= 1"
+        if allow_unbounded:
+            what += " (or -1 for unbounded)"
+        fail(f"{name} must be {what}, got {value}", code=2)
+
+
+def _parse_capacities(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower().replace("_", "")
+        mult = 1
+        for suf, m in (("k", 1_000), ("m", 1_000_000), ("g", 1_000_000_000)):
+            if part.endswith(suf):
+                part, mult = part[:-1], m
+        try:
+            val = int(float(part) * mult)
+        except ValueError:
+            fail(f"--capacities: {part!r} is not a token count", code=2)
+        if val < 1:
+            fail(f"--capacities: capacities must be >= 1, got {val}", code=2)
+        out.append(val)
+    return out
+
+
+def register(bench_app: typer.Typer) -> None:
+    @bench_app.command("replay")
+    @handle_errors
+    def replay_cmd(
+        trace: Path = typer.Argument(..., help="Mooncake JSONL trace (plain or .gz): "
+                                     "timestamp, input_length, output_length, hash_ids."),
+        page_size: int = typer.Option(64, "--page-size", help="Tokens per KV page."),
+        l1_tokens: int = typer.Option(5_120_000, "--l1-tokens", help="L1 (device) capacity."),
+        l2_tokens: int = typer.Option(0, "--l2-tokens", help="L2 (host) capacity; 0 = no L2."),
+        policy: str = typer.Option("lru", "--policy", help="Eviction policy: lru, lfu, priority "
+                                   "or opt (Belady's offline bound)."),
+        write_policy: str = typer.Option("write_through", "--write-policy",
+                                         help="L1->L2 write policy: write_through, "
+                                              "write_through_selective, write_back."),
+        limit: Optional[int] = typer.Option(None, "--limit", help="Replay the first N requests."),
+        sweep: bool = typer.Option(False, "--sweep", help="Sweep L1 capacity for lru, lfu and "
+                                   "opt (L2 off) instead of one run."),
+        capacities: Optional[str] = typer.Option(
+            None, "--capacities", help="Sweep points, e.g. '640k,1.28m,2.56m' (default: "
+                                       "--l1-tokens x 1/8 … 4)."),
+        plot: Optional[Path] = typer.Option(None, "--plot", help="With --sweep: write a PNG of "
+                                            "hit rate vs capacity."),
+        dump_tree: Optional[Path] = typer.Option(None, "--dump-tree", help="Write a tree "
+                                                 "snapshot (for `hicache inspect`) at the end."),
+        rank_log_dir: Optional[Path] = typer.Option(None, "--rank-log-dir", help="Write this "
+                                                    "rank's event log (for consensus-check)."),
+        no_events: bool = typer.Option(False, "--no-events", help="Do not record cache "
+                                       "decision events (to measure their overhead)."),
+        fmt: OutputFormat = typer.Option(OutputFormat.human, "--format", help="human or json."),
+        progress: bool = typer.Option(False, "--progress", help="Progress bar even with "
+                                      "--format json."),
+    ) -> None:
+        """Replay a trace through the cache stack (metadata only) and report hit rates.
+
+        Example: hicache bench replay trace.jsonl.gz --page-size 64 --l1-tokens 5120000
+        """
+        from engine.loadgen.trace import read_trace
+        from engine.policy import policy_names
+        from engine.replay import ReplayConfig, replay
+
+        _positive("--page-size", page_size, allow_zero=False)
+        _positive("--l1-tokens", l1_tokens, allow_zero=False)
+        _positive("--l2-tokens", l2_tokens)
+        if limit is not None:
+            _positive("--limit", limit, allow_zero=False)
+        if policy not in policy_names(include_offline=True):
+            fail(f"--policy must be one of {policy_names(include_offline=True)}, got {policy!r}",
+                 code=2)
+        if plot is not None and not sweep:
+            fail("--plot needs --sweep", code=2)
+        if l1_tokens < page_size:
+            fail(f"--l1-tokens {l1_tokens} holds no page of {page_size} tokens", code=2)
+
+        records = read_trace(str(trace), limit)
+        show_progress = fmt is OutputFormat.human or progress
+
+        if sweep:
+            caps = _parse_capacities(capacities) if capacities else \
+                sorted({max(page_size, int(l1_tokens * f)) for f in
+                        (0.125, 0.25, 0.5, 1, 2, 4)})
+            rows = []
+            for pol in ("lru", "lfu", "opt"):
+                for cap in caps:
+                    res, _ = replay(records, ReplayConfig(page_size=page_size, l1_tokens=cap,
+                                                          l2_tokens=0, policy=pol, limit=limit,
+                                                          events=not no_events))
+                    d = res.to_dict()
+                    rows.append({"policy": pol, "l1_tokens": cap,
+                                 "token_hit_rate": d["token_hit_rate"],
+                                 "cache_seconds": d["cache_seconds"]})
+                    if show_progress:
+                        stderr.print(f"  {pol:4s} {cap:>12,d} tokens: hit rate "
+                                     f"{d['token_hit_rate']:.4f}")
+            if plot is not None:
+                _plot(rows, plot, os.path.basename(str(trace)), page_size)
+            if fmt is OutputFormat.json:
+                emit_json({"trace": str(trace), "requests": len(records[:limit] if limit
+                                                                  else records),
+                           "page_size": page_size, "sweep": rows,
+                           "plot": str(plot) if plot else None})
+            else:
+                _print_sweep(rows)
+                if plot is not None:
+                    stdout.print(f"plot written to {plot}")
+            return
+
+        cfg = ReplayConfig(page_size=page_size, l1_tokens=l1_tokens, l2_tokens=l2_tokens,
+                           policy=policy, write_policy=write_policy, limit=limit,
+                           events=not no_events)
+        n = len(records) if limit is None else min(limit, len(records))
+        from engine.events import EventLog
+
+        events = EventLog(enabled=not no_events, keep=rank_log_dir is not None)
+        keep = dump_tree is not None
+        if show_progress:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, \
+                TimeRemainingColumn
+
+            with Progress("[progress.description]{task.description}", BarColumn(),
+                          MofNCompleteColumn(), TimeRemainingColumn(), console=stderr,
+                          transient=True) as bar:
+                task = bar.add_task("replaying", total=n)
+                step = max(1, n // 200)
+
+                def tick(i: int) -> None:
+                    if i % step == 0 or i == n:
+                        bar.update(task, completed=i)
+
+                result, cache = replay(records, cfg, events=events, progress=tick,
+                                       keep_cache=keep)
+        else:
+            result, cache = replay(records, cfg, events=events, keep_cache=keep)
+        out = result.to_dict()
+        out["trace"] = str(trace)
+        if rank_log_dir is not None:
+            rank_log_dir.mkdir(parents=True, exist_ok=True)
+            path = rank_log_dir / f"rank{events.rank.rank}.ranklog"
+            events.write(str(path))
+            out["rank_log"] = str(path)
+        if dump_tree is not None:
+            from engine.snapshot import write_snapshot
+
+            write_snapshot(str(dump_tree), cache, meta={"source": "bench replay",
+                                                        "trace": str(trace)})
+            out["tree_snapshot"] = str(dump_tree)
+        if fmt is OutputFormat.json:
+            emit_json(out)
+        else:
+            _print_result(out)
+
+
+def _print_result(d: dict) -> None:
+    from rich.table import Table
+
+    c = d["config"]
+    t = Table(title=f"replay of {d['trace']}", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column(justify="right")
+    t.add_row("requests", f"{d['requests']:,}")
+    t.add_row("input tokens", f"{d['input_tokens']:,}")
+    t.add_row("page size", str(c["page_size"]))
+    t.add_row("L1 / L2 capacity (tokens)", f"{c['l1_tokens']:,} / {c['l2_tokens']:,}")
+    t.add_row("policy / write policy", f"{c['policy']} / {c['write_policy']}")
+    t.add_row("token hit rate", f"{d['token_hit_rate']:.4f}")
+    t.add_row("  L1 hit rate", f"{d['l1_hit_rate']:.4f}")
+    t.add_row("  L2 hit rate", f"{d['l2_hit_rate']:.4f}")
+    if d["l3_hit_rate"]:
+        t.add_row("  L3 hit rate", f"{d['l3_hit_rate']:.4f}")
+    s = d["stats"]
+    t.add_row("L1 evicted pages", f"{s['evicted_l1_pages']:,}")
+    t.add_row("L2 load-back pages", f"{s['loadback_pages']:,}")
+    t.add_row("cache seconds", f"{d['cache_seconds']:.3f}")
+    t.add_row("requests / s (cache ops)", f"{d['requests_per_s']:,}")
+    t.add_row("events recorded", f"{d['events']:,}")
+    for key in ("rank_log", "tree_snapshot"):
+        if key in d:
+            t.add_row(key.replace("_", " "), d[key])
+    stdout.print(t)
+
+
+def _print_sweep(rows: list[dict]) -> None:
+    from rich.table import Table
+
+    caps = sorted({r["l1_tokens"] for r in rows})
+    pols = list(dict.fromkeys(r["policy"] for r in rows))
+    t = Table(title="token hit rate vs L1 capacity", title_justify="left")
+    t.add_column("L1 tokens", justify="right")
+    for pol in pols:
+        t.add_column(pol, justify="right")
+    by = {(r["policy"], r["l1_tokens"]): r["token_hit_rate"] for r in rows}
+    for cap in caps:
+        t.add_row(f"{cap:,}", *[f"{by[(p, cap)]:.4f}" for p in pols])
+    stdout.print(t)
+
+
+def _plot(rows: list[dict], path: Path, trace_name: str, page_size: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    for pol in dict.fromkeys(r["policy"] for r in rows):
+        pts = sorted((r["l1_tokens"], r["token_hit_rate"]) for r in rows if r["policy"] == pol)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                label=pol + (" (Belady bound)" if pol == "opt" else ""))
+    ax.set_xscale("log")
+    ax.set_xlabel("L1 capacity (tokens)")
+    ax.set_ylabel("token hit rate")
+    ax.set_title(f"{trace_name}, page size {page_size}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

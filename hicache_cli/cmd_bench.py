@@ -1,0 +1,27 @@
+"""``hicache bench``: the main job, plus ``serve``, ``run`` and ``replay`` sub-commands."""
+
+from __future__ import annotations
+
+import typer
+
+bench_app = typer.Typer(
+    help="Benchmark the cache: the all-in-one main job (no sub-command), the benchmark server "
+         "(serve), the load generator (run) and offline trace replay (replay).",
+    invoke_without_command=True,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+# Each sub-command module exposes register(bench_app); the main job is the group callback.
+from hicache_cli.bench import replay_cmd  # noqa: E402
+
+replay_cmd.register(bench_app)
+from hicache_cli.bench import run_cmd  # noqa: E402
+
+run_cmd.register(bench_app)
+from hicache_cli.bench import main_job  # noqa: E402
+
+main_job.register(bench_app)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(bench_app, name="bench")
