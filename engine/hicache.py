@@ -179,6 +179,9 @@ class HiCache:
             if priority > node.priority:
                 node.priority = priority
             self._push_candidate(node)
+        if self.tree.split_lower is not None:
+            self.tree.split_lower.last_access = tick()
+            self._push_candidate(self.tree.split_lower)
         n1 = 0
         l1_len = 0
         for node in path:

@@ -77,6 +77,9 @@ class RadixTree:
         self._next_id = 0
         self.clock = 0
         self.num_nodes = 0
+        # The lower half of the edge the last walk() split, if any: it was compared by that
+        # walk, so match() counts it as accessed (SGLang's RadixCache does the same).
+        self.split_lower: Node | None = None
 
     # -- structure ------------------------------------------------------------------------
     def _new_node(self, parent: Node | None, tokens: np.ndarray, namespace: str | None) -> Node:
@@ -163,6 +166,7 @@ class RadixTree:
         p = self.page_size
         node = self.roots.get(namespace)
         path: list[Node] = []
+        self.split_lower = None
         if node is None:
             return path, 0
         pos, n = 0, len(tokens) - len(tokens) % p
@@ -180,6 +184,7 @@ class RadixTree:
                     path.append(child)
                     pos += m
                     break
+                self.split_lower = child
                 child = self.split(child, m)
             path.append(child)
             pos += m

@@ -95,7 +95,16 @@ class TransferEngine:
         self._thread: threading.Thread | None = None
         self._stream = None
         self._lock = threading.Lock()
+        self._running = threading.Event()
+        self._running.set()
         self.bytes_moved = collections.Counter()
+
+    def pause(self) -> None:
+        """Hold queued CPU copies (debugging and tests: observe in-flight state)."""
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
 
     def new_op(self, kind: OpKind, src, src_pages, dst, dst_pages, num_layers: int,
                payload: Any = None) -> TransferOp:
@@ -130,6 +139,7 @@ class TransferEngine:
             _, _, op = self._work.get()
             if op is None:
                 return
+            self._running.wait()
             try:
                 for layer in range(op.num_layers):
                     data = op.src.get_layer(layer, op.src_pages)
