@@ -24,6 +24,7 @@ from engine.allocator import PageAllocator
 from engine.device import resolve_device
 from engine.errors import OutOfCapacity
 from engine.events import EventLog
+from engine.l3 import StorageOps
 from engine.layout import KVLayout
 from engine.policy import EvictionPolicy, make_policy
 from engine.pool import DevicePool, HostLayout, HostPool
@@ -96,10 +97,12 @@ class MatchResult:
     n_l1_nodes: int = 0                    # path[:n_l1_nodes] is the L1 hit
     loaded_len: int = 0                    # tokens made L1-resident by load_back
     load: "LoadHandle | None" = None
+    hashes: list = dataclasses.field(default_factory=list, repr=False)  # L3 page hashes
 
     @property
     def hit_len(self) -> int:
-        return self.l1_len + self.l2_len
+        """Tokens the request does not compute (L1 + L2 + what was fetched from L3)."""
+        return self.l1_len + self.l2_len + self.l3_len
 
     @property
     def node_id(self) -> int | None:
@@ -132,7 +135,7 @@ class LoadHandle:
         return all(op.done() for op in self.ops)
 
 
-class HiCache:
+class HiCache(StorageOps):
     def __init__(self, config: CacheConfig, events: EventLog | None = None,
                  policy: EvictionPolicy | None = None):
         self.config = config
@@ -167,6 +170,15 @@ class HiCache:
         self._heap_seq = 0
         self.counters: collections.Counter = collections.Counter()
 
+    def attach_l3(self, impl, prefetch_policy: str = "wait_complete",
+                  prefetch_timeout: float = 1.0) -> None:
+        """Add the L3 tier (``engine.l3.StoreTier`` or ``SimulatedTier``); needs an L2."""
+        from engine.l3 import L3Tier
+
+        if self.l2_alloc is None:
+            raise ValueError("an L3 store needs an L2 host pool (set l2_tokens > 0)")
+        self.l3 = L3Tier(impl, self.page_size, prefetch_policy, prefetch_timeout)
+
     # ------------------------------------------------------------------ match / lock
     def match(self, tokens: Sequence[int] | np.ndarray, namespace: str | None = None,
               rid: Any = None, priority: int = 0) -> MatchResult:
@@ -193,12 +205,18 @@ class HiCache:
         for node in path[n1:]:
             assert node.l2 is not None, f"{node!r} past the L1 prefix is not in L2"
             l2_len += len(node.tokens)
+        l3_len = 0
+        hashes: list = []
+        if self.l3 is not None:
+            hashes = self.l3.hashes(toks, namespace)
+            start = (l1_len + l2_len) // self.page_size
+            if start < len(hashes):
+                l3_len = self._l3_prefetch(path, toks, namespace, hashes, start, rid) \
+                    * self.page_size
         l1_pages = (np.concatenate([n.l1 for n in path[:n1]]) if n1
                     else np.empty(0, dtype=np.int64))
-        l3_len = 0
-        if self.l3 is not None:
-            l3_len = self.l3.probe(toks, namespace, l1_len + l2_len)
-        m = MatchResult(rid, namespace, l1_len, l2_len, l3_len, l1_pages, path, n1)
+        m = MatchResult(rid, namespace, l1_len, l2_len, l3_len, l1_pages, path, n1,
+                        hashes=hashes)
         self.counters["match_tokens"] += len(toks)
         self.counters["hit_l1_tokens"] += l1_len
         self.counters["hit_l2_tokens"] += l2_len
@@ -302,8 +320,12 @@ class HiCache:
 
     # ------------------------------------------------------------------ insert
     def insert(self, tokens: Sequence[int] | np.ndarray, pages: np.ndarray,
-               namespace: str | None = None, rid: Any = None, priority: int = 0) -> Node | None:
-        """Take ownership of ``pages`` (one L1 page per full page of ``tokens``)."""
+               namespace: str | None = None, rid: Any = None, priority: int = 0,
+               prefix_hashes: Sequence = ()) -> Node | None:
+        """Take ownership of ``pages`` (one L1 page per full page of ``tokens``).
+
+        ``prefix_hashes`` (``MatchResult.hashes``) saves rehashing the matched prefix when an
+        L3 tier needs page hashes."""
         p = self.page_size
         toks = as_tokens(tokens)
         n_full = len(toks) // p
@@ -346,6 +368,9 @@ class HiCache:
             parent.n_l1_children += 1
             self._push_candidate(new_node)
             last = new_node
+        if self.l3 is not None:
+            full_path = path + ([new_node] if new_node is not None else [])
+            self._assign_hashes(full_path, self.l3.hashes(toks, namespace, prefix_hashes))
         self.events.emit("insert", rid=rid, node=last.id if last.parent else None,
                          tokens=int(len(toks)), new_tokens=int(len(toks) - pos))
         if self.l2_alloc is not None and self.write_policy is WritePolicy.WRITE_THROUGH \
@@ -404,6 +429,8 @@ class HiCache:
                     self._complete(q.popleft())
                     n += 1
             out[kind.value] = n
+        if self.l3 is not None:
+            out["storage"] = self._l3_poll()
         return out
 
     def _inflight_ops(self, kind: str) -> list[TransferOp]:
@@ -433,6 +460,9 @@ class HiCache:
                 op = q.popleft()
                 op.wait()
                 self._complete(op)
+        if self.l3 is not None:
+            self.l3.wait_all()
+            self._l3_poll()
 
     def _complete(self, op: TransferOp) -> None:
         if op.kind is OpKind.LOAD:
@@ -455,21 +485,20 @@ class HiCache:
                 node.l2 = op.dst_pages[start:start + k]
                 claimed[start:start + k] = True
                 self._push_candidate(node)
+                if self.l3 is not None and node.l3 < k:
+                    self._l3_put(node)
             if not claimed.all():
                 self.l2_alloc.free(op.dst_pages[~claimed])
             self.events.emit("backup_done", op=op.op_id)
-        elif self.l3 is not None:
-            self.l3.complete(op)
 
     # ------------------------------------------------------------------ eviction
     def _push_candidate(self, node: Node) -> None:
-        if node.parent is None:
+        if node.parent is None or node.lock_ref:
             return
-        if node.l1 is not None:
-            if node.n_l1_children == 0 and node.lock_ref == 0:
-                self._heap_seq += 1
-                heapq.heappush(self._heap_l1, (self.policy.key(node), self._heap_seq, node))
-        elif node.l2 is not None and not node.children and node.lock_ref == 0:
+        if node.l1 is not None and node.n_l1_children == 0:
+            self._heap_seq += 1
+            heapq.heappush(self._heap_l1, (self.policy.key(node), self._heap_seq, node))
+        if node.l2 is not None and (node.l1 is not None or not node.children):
             self._heap_seq += 1
             heapq.heappush(self._heap_l2, (self.policy.key(node), self._heap_seq, node))
 
@@ -480,8 +509,11 @@ class HiCache:
 
     @staticmethod
     def _l2_candidate(node: Node) -> bool:
-        return (node.parent is not None and node.l1 is None and node.l2 is not None
-                and not node.children and node.lock_ref == 0 and node.backing_up is None)
+        """An L2 copy that may go: a leaf living only in L2 (the node goes with it), or the
+        backup copy of a node that stays on L1."""
+        return (node.parent is not None and node.l2 is not None and node.lock_ref == 0
+                and node.backing_up is None and node.loading is None
+                and (node.l1 is not None or not node.children))
 
     def _rebuild_heap(self, tier: str) -> None:
         check = self._l1_candidate if tier == "l1" else self._l2_candidate
@@ -561,12 +593,13 @@ class HiCache:
                 continue
             eligible.append(node.id)
             parent = node.parent
+            if self.l3 is not None and node.l3 < len(node.tokens) // p:
+                self._l3_put(node, sync=True)
             self.l2_alloc.free(node.l2)
             node.l2 = None
-            if self.l3 is not None:
-                self.l3.on_l2_evict(node)
-            self.tree.remove_leaf(node)
-            self._push_candidate(parent)
+            if node.l1 is None:
+                self.tree.remove_leaf(node)
+                self._push_candidate(parent)
             evicted.append(node.id)
             freed += len(node.tokens) // p
         if len(self._heap_l2) > 4 * self.tree.num_nodes + 4096:
@@ -609,6 +642,8 @@ class HiCache:
             "evicted_l1_pages": c["evicted_l1_pages"],
             "evicted_l2_pages": c["evicted_l2_pages"],
             "inflight_ops": sum(len(q) for q in self._inflight.values()),
+            "prefetch_pages": c["prefetch_pages"],
+            "l3": self.l3.stats() if self.l3 is not None else None,
         }
 
     def close(self) -> None:

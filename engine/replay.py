@@ -36,6 +36,7 @@ class ReplayConfig:
     page_size: int = 64
     l1_tokens: int = 5_120_000
     l2_tokens: int = 0
+    l3_tokens: int = 0          # 0: no L3, -1: unbounded
     policy: str = "lru"
     write_policy: str = "write_through"
     limit: int | None = None
@@ -123,6 +124,10 @@ def replay(records: Iterable, cfg: ReplayConfig, *,
     if events is None:
         events = EventLog(enabled=cfg.events)
     cache = HiCache(cache_cfg, events=events, policy=policy)
+    if cfg.l3_tokens:
+        from engine.l3 import SimulatedTier
+
+        cache.attach_l3(SimulatedTier(-1 if cfg.l3_tokens < 0 else cfg.l3_tokens // p))
     hit = l1 = l2 = l3 = total = uncacheable = 0
     perf = time.perf_counter
     elapsed = 0.0
@@ -133,14 +138,14 @@ def replay(records: Iterable, cfg: ReplayConfig, *,
         events.set_step(i)
         m = cache.match(toks, rid=i)
         receipt = cache.lock(m)
-        if m.l2_len:
+        if m.l2_len or m.l3_len:
             cache.load_back(m)
         n_full = len(toks) // p
         have = len(m.l1_pages)
         try:
             new = cache.alloc(n_full - have) if n_full > have else empty
             pages = np.concatenate([m.l1_pages, new]) if have else new
-            cache.insert(toks[:n_full * p], pages, rid=i)
+            cache.insert(toks[:n_full * p], pages, rid=i, prefix_hashes=m.hashes)
         except OutOfCapacity:
             uncacheable += 1
         cache.unlock(receipt)

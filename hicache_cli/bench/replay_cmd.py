@@ -49,6 +49,8 @@ def register(bench_app: typer.Typer) -> None:
         page_size: int = typer.Option(64, "--page-size", help="Tokens per KV page."),
         l1_tokens: int = typer.Option(5_120_000, "--l1-tokens", help="L1 (device) capacity."),
         l2_tokens: int = typer.Option(0, "--l2-tokens", help="L2 (host) capacity; 0 = no L2."),
+        l3_tokens: int = typer.Option(0, "--l3-tokens", help="L3 (storage) capacity; "
+                                      "0 = no L3, -1 = unbounded. Needs --l2-tokens > 0."),
         policy: str = typer.Option("lru", "--policy", help="Eviction policy: lru, lfu, priority "
                                    "or opt (Belady's offline bound)."),
         write_policy: str = typer.Option("write_through", "--write-policy",
@@ -83,6 +85,9 @@ def register(bench_app: typer.Typer) -> None:
         _positive("--page-size", page_size, allow_zero=False)
         _positive("--l1-tokens", l1_tokens, allow_zero=False)
         _positive("--l2-tokens", l2_tokens)
+        _positive("--l3-tokens", l3_tokens, allow_unbounded=True)
+        if l3_tokens and not l2_tokens:
+            fail("--l3-tokens needs --l2-tokens > 0 (L3 pages are staged through L2)", code=2)
         if limit is not None:
             _positive("--limit", limit, allow_zero=False)
         if policy not in policy_names(include_offline=True):
@@ -127,7 +132,7 @@ def register(bench_app: typer.Typer) -> None:
             return
 
         cfg = ReplayConfig(page_size=page_size, l1_tokens=l1_tokens, l2_tokens=l2_tokens,
-                           policy=policy, write_policy=write_policy, limit=limit,
+                           l3_tokens=l3_tokens, policy=policy, write_policy=write_policy, limit=limit,
                            events=not no_events)
         n = len(records) if limit is None else min(limit, len(records))
         from engine.events import EventLog
@@ -181,7 +186,8 @@ def _print_result(d: dict) -> None:
     t.add_row("requests", f"{d['requests']:,}")
     t.add_row("input tokens", f"{d['input_tokens']:,}")
     t.add_row("page size", str(c["page_size"]))
-    t.add_row("L1 / L2 capacity (tokens)", f"{c['l1_tokens']:,} / {c['l2_tokens']:,}")
+    l3 = {0: "off", -1: "unbounded"}.get(c["l3_tokens"], f"{c['l3_tokens']:,}")
+    t.add_row("L1 / L2 / L3 capacity (tokens)", f"{c['l1_tokens']:,} / {c['l2_tokens']:,} / {l3}")
     t.add_row("policy / write policy", f"{c['policy']} / {c['write_policy']}")
     t.add_row("token hit rate", f"{d['token_hit_rate']:.4f}")
     t.add_row("  L1 hit rate", f"{d['l1_hit_rate']:.4f}")

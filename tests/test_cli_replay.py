@@ -1,0 +1,80 @@
+"""`hicache bench replay` through typer's CliRunner, both formats, bad input."""
+
+import gzip
+import json
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+from hicache_cli.app import app
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "conversation_trace_head400.jsonl.gz")
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, ["bench", "replay", *args])
+
+
+def test_json_output():
+    r = run(DATA, "--l1-tokens", "200000", "--format", "json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    for key in ("requests", "token_hit_rate", "l1_hit_rate", "l2_hit_rate", "cache_seconds",
+                "requests_per_s"):
+        assert key in d
+    assert d["requests"] == 400 and d["token_hit_rate"] == pytest.approx(0.035774, abs=1e-6)
+
+
+def test_human_output():
+    r = run(DATA, "--l1-tokens", "200000", "--l2-tokens", "400000", "--limit", "100")
+    assert r.exit_code == 0, r.output
+    assert "token hit rate" in r.stdout and "L2 hit rate" in r.stdout
+
+
+def test_sweep_and_plot(tmp_path):
+    png = tmp_path / "sweep.png"
+    r = run(DATA, "--sweep", "--capacities", "100k,400k", "--limit", "120", "--plot", str(png),
+            "--format", "json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert {(x["policy"], x["l1_tokens"]) for x in d["sweep"]} == {
+        (p, c) for p in ("lru", "lfu", "opt") for c in (100_000, 400_000)}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_rank_log(tmp_path):
+    r = run(DATA, "--limit", "20", "--rank-log-dir", str(tmp_path), "--format", "json")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "rank0.ranklog").stat().st_size > 0
+
+
+@pytest.mark.parametrize("args,code,msg", [
+    (["/nonexistent/trace.jsonl"], 1, "No such file"),
+    ([DATA, "--page-size", "0"], 2, "--page-size"),
+    ([DATA, "--l1-tokens", "-5"], 2, "--l1-tokens"),
+    ([DATA, "--l1-tokens", "abc"], 2, ""),
+    ([DATA, "--policy", "random"], 2, "--policy"),
+    ([DATA, "--l3-tokens", "100"], 2, "--l2-tokens"),
+])
+def test_bad_arguments(args, code, msg):
+    r = run(*args)
+    assert r.exit_code == code, r.output
+    assert msg in r.output
+    assert "Traceback" not in r.output
+
+
+def test_malformed_line_is_named(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n'
+                 "{not json\n")
+    r = run(str(p))
+    assert r.exit_code == 1 and "bad.jsonl:2" in r.output and "Traceback" not in r.output
+
+
+def test_corrupt_gzip(tmp_path):
+    p = tmp_path / "bad.jsonl.gz"
+    p.write_bytes(gzip.compress(b'{"timestamp": 0}\n' * 100)[:40])
+    r = run(str(p))
+    assert r.exit_code == 1 and "Traceback" not in r.output
