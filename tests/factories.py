@@ -53,8 +53,9 @@ def serve(cache: HiCache, tokens, namespace=None, rid=None, check_kv: bool = Tru
         pos = np.arange(have * p, n_full * p)
         for layer in range(cache.num_layers):
             for kind in range(cache.l1.layout.kv_kinds):
-                cache.l1.buf[layer, kind, torch.as_tensor(slots)] = kv_value(toks[pos], pos,
-                                                                             layer, kind)
+                dev = cache.l1.buf.device
+                cache.l1.buf[layer, kind, torch.as_tensor(slots, device=dev)] = kv_value(
+                    toks[pos], pos, layer, kind).to(dev)
         if handle is not None:
             for layer in range(cache.num_layers):
                 handle.wait_layer(layer)
@@ -63,7 +64,7 @@ def serve(cache: HiCache, tokens, namespace=None, rid=None, check_kv: bool = Tru
             pos = np.arange(have * p)
             for layer in range(cache.num_layers):
                 for kind in range(cache.l1.layout.kv_kinds):
-                    got = cache.l1.buf[layer, kind, torch.as_tensor(slots)]
+                    got = cache.l1.buf[layer, kind, torch.as_tensor(slots)].cpu()
                     want = kv_value(toks[pos], pos, layer, kind)
                     assert torch.equal(got, want), f"wrong KV restored at layer {layer}"
     cache.insert(toks[:n_full * p], pages, namespace=namespace, rid=rid)
