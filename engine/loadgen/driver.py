@@ -119,6 +119,10 @@ class ServerUnreachable(InputError):
     pass
 
 
+class _StreamError(Exception):
+    """An error chunk inside an SSE stream (status, message)."""
+
+
 async def _check_health(http: aiohttp.ClientSession, url: str, timeout: float) -> None:
     try:
         async with http.get(url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
@@ -127,6 +131,20 @@ async def _check_health(http: aiohttp.ClientSession, url: str, timeout: float) -
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
         reason = str(exc) or type(exc).__name__
         raise ServerUnreachable(f"cannot reach server at {url}: {reason}") from None
+
+
+def server_info(url: str, timeout: float = 5.0) -> dict | None:
+    """``GET {url}/get_server_info`` as a dict (device, max_context, vocab_size… on our server,
+    SGLang has the endpoint too); ``None`` when the server has no such endpoint or is down."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(normalize_url(url) + "/get_server_info", timeout=timeout) as r:
+            body = json.loads(r.read(1 << 20))
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None
 
 
 def _payload(spec: RequestSpec, cfg: LoadConfig) -> dict[str, Any]:
@@ -194,7 +212,9 @@ async def _read_stream(resp: aiohttp.ClientResponse, rec: RequestRecord, t0: flo
         if not isinstance(obj, dict):
             raise ValueError("stream chunk is not a JSON object")
         if "error" in obj:
-            raise ValueError(f"stream error: {obj['error']}")
+            err = obj["error"]
+            code = err.get("code", 500) if isinstance(err, dict) else 500
+            raise _StreamError(str(code), _error_message(json.dumps(obj)))
         chunks.append(_ids(obj))
         last = obj
     if last is None:
@@ -225,6 +245,8 @@ async def _send(http: aiohttp.ClientSession, spec: RequestSpec, cfg: LoadConfig,
                 if not isinstance(body, dict):
                     raise ValueError("response is not a JSON object")
                 _fill(rec, body, _ids(body))
+    except _StreamError as exc:
+        rec.status, rec.error = exc.args
     except asyncio.TimeoutError:
         rec.status, rec.error = "timeout", f"no answer within {cfg.timeout:g} s"
     except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:

@@ -1,0 +1,103 @@
+"""Mooncake trace loader and replay workload (plain and gzip, bad lines)."""
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from engine.errors import InputError
+from engine.loadgen.trace import block_tokens, read_trace, request_tokens, trace_workload
+
+LINES = [
+    {"timestamp": 0, "input_length": 700, "output_length": 5, "hash_ids": [0, 1]},
+    {"timestamp": 1500, "input_length": 1100, "output_length": 3, "hash_ids": [0, 1, 2]},
+    {"timestamp": 500, "input_length": 300, "output_length": 0, "hash_ids": [9]},
+]
+
+
+def write(path, lines, gz=False):
+    text = "".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines)
+    if gz:
+        with gzip.open(path, "wt") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_read_plain_and_gz(tmp_path, gz):
+    recs = read_trace(write(tmp_path / ("t.jsonl.gz" if gz else "t.jsonl"), LINES, gz))
+    assert [r.input_length for r in recs] == [700, 1100, 300]
+    assert recs[1].hash_ids == (0, 1, 2)
+    assert read_trace(write(tmp_path / "l.jsonl", LINES), limit=2)[-1].timestamp_ms == 1500
+
+
+def test_blocks_shared_prefix_and_cut(tmp_path):
+    w = trace_workload(write(tmp_path / "t.jsonl", LINES), speedup=2.0)
+    specs = [s.first() for s in w.sessions]
+    # sorted by timestamp, arrival in seconds / speedup
+    assert [s.arrival for s in specs] == [0.0, 0.25, 0.75]
+    assert [s.prompt_len for s in specs] == [700, 300, 1100]
+    assert [s.max_tokens for s in specs] == [5, 1, 3]   # output 0 still asks for one token
+    a, c = specs[0].input_ids, specs[2].input_ids
+    assert c[:700] == a                                  # blocks 0,1 identical across requests
+    assert specs[1].input_ids != c[:300]                 # block 9 differs from block 0
+    assert list(c[:512]) == block_tokens(0).tolist()
+    assert list(c[1024:1100]) == block_tokens(2)[:76].tolist()
+
+
+def test_block_scaling_and_vocab(tmp_path):
+    w = trace_workload(write(tmp_path / "t.jsonl", LINES), block_tokens_n=32, vocab_size=50,
+                       max_tokens=2)
+    specs = sorted((s.first() for s in w.sessions), key=lambda s: s.session)
+    assert [s.prompt_len for s in specs] == [44, 19, 69]   # ceil(len * 32 / 512)
+    assert [s.max_tokens for s in specs] == [2, 1, 2]
+    assert max(max(s.input_ids) for s in specs) < 50
+    assert specs[2].input_ids[:44] == specs[0].input_ids
+
+
+def test_distinct_blocks_are_distinct_even_in_a_tiny_vocab():
+    blocks = [tuple(block_tokens(b, 512, 256)) for b in range(2000)]
+    assert len(set(blocks)) == 2000
+    assert len(set(tuple(block_tokens(b, 4, 256)) for b in range(200))) > 195
+
+
+def test_request_tokens_deterministic(tmp_path):
+    r = read_trace(write(tmp_path / "t.jsonl", LINES))[1]
+    assert np.array_equal(request_tokens(r), request_tokens(r))
+
+
+@pytest.mark.parametrize("bad, msg", [
+    ("{not json", "t.jsonl:2: not JSON"),
+    ("[1, 2]", "t.jsonl:2: expected a JSON object"),
+    (json.dumps({"timestamp": 0, "input_length": 10, "output_length": 1}), "missing field 'hash_ids'"),
+    (json.dumps({"timestamp": -1, "input_length": 10, "output_length": 1, "hash_ids": [0]}), "timestamp"),
+    (json.dumps({"timestamp": 0, "input_length": "10", "output_length": 1, "hash_ids": [0]}), "input_length"),
+    (json.dumps({"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [0]}), "cannot cover"),
+    (json.dumps({"timestamp": 0, "input_length": 6, "output_length": 1, "hash_ids": ["a"]}), "hash_ids"),
+])
+def test_bad_line_names_file_and_line(tmp_path, bad, msg):
+    path = write(tmp_path / "t.jsonl", [LINES[0], bad])
+    with pytest.raises(InputError, match=msg.replace("[", r"\[")):
+        read_trace(path)
+
+
+def test_empty_missing_and_corrupt_gz(tmp_path):
+    with pytest.raises(InputError, match="no requests"):
+        read_trace(write(tmp_path / "e.jsonl", [""]))
+    with pytest.raises(FileNotFoundError):
+        read_trace(str(tmp_path / "nope.jsonl"))
+    broken = tmp_path / "b.jsonl.gz"
+    broken.write_bytes(b"\x1f\x8b" + b"not really gzip" * 4)
+    with pytest.raises(InputError, match="cannot read trace"):
+        read_trace(str(broken))
+
+
+def test_bad_options(tmp_path):
+    path = write(tmp_path / "t.jsonl", LINES)
+    with pytest.raises(ValueError, match="speedup"):
+        trace_workload(path, speedup=0)
+    with pytest.raises(ValueError, match="block tokens"):
+        trace_workload(path, block_tokens_n=513)
