@@ -1,0 +1,664 @@
+"""Rank log format v1 (``docs/rank-log-format.md``): one file per rank, header then events.
+
+Two encodings of the same records: a stream of msgpack maps (``*.ranklog``, native, what the
+engine writes) and JSON Lines (``*.jsonl``, for hand-written cases). The first record is the
+header ``{"format": "hicache-ranklog", "version": 1, "rank", "world_size", "dp_rank", "tp_rank",
+"tp_size", "pp_rank", "pp_size", "cp_rank", "cp_size"}``; every later record is one event
+``{"seq", "step", "kind", ...}``. Fields named ``local_*`` are rank-local and never compared.
+
+This module writes logs (:func:`write_ranklog`, :class:`RankLogWriter`), reads them with size
+limits (:class:`RankLogFile`: single records, fast runs of records, plain iteration), and holds
+the v1 rules that say which difference between two ranks' events falls in which category
+(:func:`classify`), shared by the offline checker and the online mode. Every problem with the
+input is a :class:`RankLogError` (a ``formats.errors.FormatError``) naming the file and the byte
+offset (msgpack) or line (JSON Lines).
+"""
+
+from __future__ import annotations
+
+import enum
+import io
+import json
+import mmap
+import os
+from itertools import islice, repeat
+from operator import itemgetter
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+import msgpack
+
+from formats.errors import FormatError
+
+FORMAT_NAME = "hicache-ranklog"
+VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+MSGPACK_SUFFIX = ".ranklog"
+JSONL_SUFFIX = ".jsonl"
+SUFFIXES = (MSGPACK_SUFFIX, JSONL_SUFFIX)
+LOCAL_PREFIX = "local_"
+
+# Parallel coordinates of a rank and their defaults (rank 0 of size 1).
+PARALLEL_DEFAULTS: dict[str, int] = {
+    "dp_rank": 0, "tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1,
+    "cp_rank": 0, "cp_size": 1,
+}
+
+# Decoding limits: one record (header or event) is at most MAX_RECORD_BYTES; strings, arrays
+# and maps inside it are bounded too, so a corrupt length prefix cannot allocate gigabytes.
+MAX_RECORD_BYTES = 16 << 20
+MAX_STR_BYTES = 1 << 20
+MAX_ARRAY_LEN = 1 << 20
+MAX_MAP_LEN = 1 << 12
+_READ_SIZE = 1 << 20
+_SINGLE_GUESS = 512
+
+
+class RankLogError(FormatError):
+    """An unreadable rank log; names the file and the byte offset (msgpack) or line (JSONL)."""
+
+    def __init__(self, path: str, where: str | None, problem: str):
+        self.path = path
+        self.where = where
+        self.problem = problem
+        super().__init__(f"{path}: {where}: {problem}" if where else f"{path}: {problem}")
+
+# -- divergence categories (v1) ------------------------------------------------------------------
+HIT_LENGTH = "hit_length_mismatch"
+RESTORE_COMPLETION = "restore_completion_mismatch"
+LOCK_ORDER = "lock_order_mismatch"
+EVICTION = "eviction_eligibility_divergence"
+PP_ACK = "pp_ack_consumption_mismatch"
+MISSING = "missing_events"
+EVENT = "event_mismatch"
+CATEGORIES = (HIT_LENGTH, RESTORE_COMPLETION, LOCK_ORDER, EVICTION, PP_ACK, MISSING, EVENT)
+
+# kind -> (category, the fields whose difference puts two same-kind events in that category)
+KIND_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "match": (HIT_LENGTH, ("l1_len", "l2_len", "l3_len")),
+    "restore_done": (RESTORE_COMPLETION, ("op", "step")),
+    "backup_done": (RESTORE_COMPLETION, ("op", "step")),
+    "lock": (LOCK_ORDER, ("rid", "node")),
+    "unlock": (LOCK_ORDER, ("rid", "node")),
+    "evict": (EVICTION, ("tier", "eligible", "evicted")),
+    "pp_ack": (PP_ACK, ("queue", "consumed", "acks")),
+}
+# Ranks recorded events of different kinds at the same place: the first family involved wins.
+MIXED_KIND_ORDER: tuple[tuple[str, frozenset[str]], ...] = (
+    (RESTORE_COMPLETION, frozenset({"restore_done", "backup_done"})),
+    (PP_ACK, frozenset({"pp_ack"})),
+    (LOCK_ORDER, frozenset({"lock", "unlock"})),
+    (EVICTION, frozenset({"evict"})),
+)
+
+
+class Encoding(str, enum.Enum):
+    msgpack = "msgpack"
+    jsonl = "jsonl"
+
+
+def encoding_for(path: str | os.PathLike) -> Encoding:
+    """The encoding a rank log path is written in, from its suffix."""
+    name = os.fspath(path)
+    if name.endswith(MSGPACK_SUFFIX):
+        return Encoding.msgpack
+    if name.endswith(JSONL_SUFFIX):
+        return Encoding.jsonl
+    raise ValueError(f"rank log path must end in one of {', '.join(SUFFIXES)}: {name}")
+
+
+# -- writing -------------------------------------------------------------------------------------
+def _plain(o: Any) -> Any:
+    """Encoder fallback: numpy scalars/arrays, enums, sets and bytes (JSON only) to plain values."""
+    if isinstance(o, enum.Enum):
+        return o.value
+    if hasattr(o, "tolist"):  # numpy scalar or array
+        return o.tolist()
+    if isinstance(o, (set, frozenset)):
+        return sorted(o)
+    raise TypeError(f"cannot encode {type(o).__name__} in a rank log")
+
+
+def _plain_json(o: Any) -> Any:
+    if isinstance(o, (bytes, bytearray)):
+        return bytes(o).hex()
+    return _plain(o)
+
+
+def event_packer() -> msgpack.Packer:
+    """The msgpack packer rank logs are written with (also the online mode's canonical encoding)."""
+    return msgpack.Packer(use_bin_type=True, default=_plain)
+
+
+class RankLogWriter:
+    """Streams one rank's log to ``path`` (``.ranklog``: msgpack, ``.jsonl``: JSON Lines).
+
+    The file appears under its final name only on :meth:`close` (written to ``path + ".tmp"``
+    and renamed), so a reader never sees a half-written log from a clean run.
+    """
+
+    def __init__(self, path: str | os.PathLike, header: Mapping[str, Any]):
+        self.path = os.fspath(path)
+        self.encoding = encoding_for(self.path)
+        try:
+            parse_header(dict(header), self.path, None)
+        except RankLogError as exc:  # caller misuse
+            raise ValueError(exc.problem) from None
+        self._tmp = self.path + ".tmp"
+        self._fh = open(self._tmp, "wb")
+        if self.encoding is Encoding.msgpack:
+            pack = event_packer().pack
+            self._encode = pack
+        else:
+            dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False,
+                                     default=_plain_json).encode
+            self._encode = lambda ev: (dumps(ev) + "\n").encode("utf-8")
+        self._fh.write(self._encode(dict(header)))
+
+    def write(self, event: Mapping[str, Any]) -> None:
+        self._fh.write(self._encode(event))
+
+    def write_many(self, events: Iterable[Mapping[str, Any]]) -> None:
+        self._fh.writelines(map(self._encode, events))
+
+    def close(self) -> None:
+        if self._fh.closed:
+            return
+        self._fh.close()
+        os.replace(self._tmp, self.path)
+
+    def abort(self) -> None:
+        """Drop the partial file (an exception while writing)."""
+        if not self._fh.closed:
+            self._fh.close()
+        if os.path.exists(self._tmp):
+            os.unlink(self._tmp)
+
+    def __enter__(self) -> "RankLogWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def write_ranklog(path: str | os.PathLike, header: Mapping[str, Any],
+                  events: Iterable[Mapping[str, Any]]) -> None:
+    """Write a whole rank log: ``header`` then ``events`` (encoding from the suffix)."""
+    with RankLogWriter(path, header) as w:
+        w.write_many(events)
+
+
+# -- records -------------------------------------------------------------------------------------
+def _type_name(v: Any) -> str:
+    return {dict: "map", list: "array", str: "string", bytes: "binary", int: "integer",
+            float: "float", bool: "boolean", type(None): "nil"}.get(type(v), type(v).__name__)
+
+
+def _a(v: Any) -> str:
+    name = _type_name(v)
+    return ("an " if name[0] in "aeiou" else "a ") + name
+
+
+def _short(v: Any, limit: int = 60) -> str:
+    s = repr(v)
+    return s if len(s) <= limit else s[:limit - 3] + "..."
+
+
+def parse_header(obj: Any, path: str, where: str | None) -> dict[str, Any]:
+    """Validate a header record; return it with parallel fields defaulted (rank 0 of size 1).
+
+    The version is checked for type only: callers decide what to do with versions they do not
+    read (the checker reports mixed versions before unsupported ones).
+    """
+    def bad(problem: str) -> RankLogError:
+        return RankLogError(path, where, problem)
+
+    if type(obj) is not dict:
+        raise bad(f"first record is {_a(obj)}, not a rank log header map")
+    if obj.get("format") != FORMAT_NAME:
+        if "seq" in obj or "kind" in obj:
+            raise bad(f"no header: the first record is an event; a rank log starts with "
+                      f'{{"format": "{FORMAT_NAME}", "version": {VERSION}, "rank": ..., ...}}')
+        raise bad(f"wrong header: format is {_short(obj.get('format'))}, expected {FORMAT_NAME!r}")
+    version = obj.get("version")
+    if type(version) is not int or version < 1:
+        raise bad(f"wrong header: version must be a positive integer, got {_short(version)}")
+    out = dict(obj)
+    for key in ("rank", "world_size"):
+        if key not in obj:
+            raise bad(f"wrong header: no {key!r} field")
+    for key, default in PARALLEL_DEFAULTS.items():
+        out.setdefault(key, default)
+    for key in ("rank", "world_size", *PARALLEL_DEFAULTS):
+        v = out[key]
+        low = 1 if key.endswith("size") else 0
+        if type(v) is not int or v < low:
+            raise bad(f"wrong header: {key} must be an integer >= {low}, got {_short(v)}")
+    for key in ("rank", "tp_rank", "pp_rank", "cp_rank"):
+        size_key = "world_size" if key == "rank" else key.replace("_rank", "_size")
+        if out[key] >= out[size_key]:
+            raise bad(f"wrong header: {key} {out[key]} is not below {size_key} {out[size_key]}")
+    return out
+
+
+def event_problem(obj: Any) -> str | None:
+    """Why ``obj`` is not a v1 event record, or ``None`` when it is one."""
+    if type(obj) is not dict:
+        return f"record is {_a(obj)}, not an event map"
+    if "format" in obj and "seq" not in obj:
+        return "a second header in the middle of the log (two logs concatenated?)"
+    for key, typ in (("seq", int), ("step", int), ("kind", str)):
+        if key not in obj:
+            return f"event has no {key!r} field"
+        v = obj[key]
+        if type(v) is not typ:
+            want = "an integer" if typ is int else "a string"
+            return f"event field {key!r} must be {want}, got {_type_name(v)} {_short(v)}"
+        if typ is int and v < 0:
+            return f"event field {key!r} must be >= 0, got {v}"
+    return None
+
+
+def is_local(key: Any) -> bool:
+    return type(key) is str and key.startswith(LOCAL_PREFIX)
+
+
+def compared_fields(event: Mapping[str, Any]) -> dict[str, Any]:
+    """The event without ``seq`` and ``local_*`` fields: what must agree across ranks."""
+    return {k: v for k, v in event.items() if k != "seq" and not is_local(k)}
+
+
+_ABSENT = object()
+_NL = b"\n"
+
+
+class Run:
+    """A run of decoded events, split for comparison (see :func:`split_run`).
+
+    ``events[i]`` is the event without ``seq`` and ``local_*`` fields (the dicts are reused);
+    ``seqs[i]`` / ``steps[i]`` its seq and step; the local fields are kept per key.
+    """
+
+    __slots__ = ("seqs", "steps", "events", "_locals")
+
+    def __init__(self, seqs: list[int], steps: list[int], events: list[dict],
+                 local_values: dict[str, list[Any]]):
+        self.seqs = seqs
+        self.steps = steps
+        self.events = events
+        self._locals = local_values
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def full(self, i: int) -> dict[str, Any]:
+        """Event ``i`` as recorded: seq first, then its fields, then its local fields."""
+        out = {"seq": self.seqs[i], **self.events[i]}
+        for k, vals in self._locals.items():
+            if vals[i] is not _ABSENT:
+                out[k] = vals[i]
+        return out
+
+    def cut(self, n: int) -> "Run":
+        return Run(self.seqs[:n], self.steps[:n], self.events[:n],
+                   {k: v[:n] for k, v in self._locals.items()})
+
+
+def split_run(objs: list[Any]) -> Run | None:
+    """Validate decoded records as events and split off ``seq`` and ``local_*`` fields.
+
+    Works on whole lists with C-level passes (no per-event Python code). Returns ``None`` when
+    some record is not a valid event; the dicts may then be half-stripped, so the caller
+    re-decodes the run to report the first bad record (:meth:`RankLogFile.raise_first_bad`).
+    """
+    if not objs:
+        return Run([], [], [], {})
+    if set(map(type, objs)) != {dict}:
+        return None
+    try:
+        steps = list(map(itemgetter("step"), objs))
+        kinds = list(map(itemgetter("kind"), objs))
+        seqs = list(map(dict.pop, objs, repeat("seq")))
+    except KeyError:
+        return None
+    if (set(map(type, seqs)) != {int} or set(map(type, steps)) != {int}
+            or set(map(type, kinds)) != {str} or min(seqs) < 0 or min(steps) < 0):
+        return None
+    local_values: dict[str, list[Any]] = {}
+    for key in set().union(*objs):
+        if is_local(key):
+            local_values[key] = list(map(dict.pop, objs, repeat(key), repeat(_ABSENT)))
+    return Run(seqs, steps, objs, local_values)
+
+
+# -- reading -------------------------------------------------------------------------------------
+def _size_text(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 and not n & ((1 << 20) - 1) else f"{n:,} bytes"
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack extension type {code} is not allowed in a rank log")
+
+
+class RankLogFile:
+    """One rank log opened for reading: header parsed, body decoded on demand with size limits.
+
+    Positions are byte offsets into the file. :meth:`decode_at` decodes one record,
+    :meth:`decode_run` many at once (the fast path), :meth:`events` iterates validated events.
+    The file is memory-mapped, so the checker can also compare raw record bytes across ranks
+    (:meth:`raw`). Use as a context manager or call :meth:`close`.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        try:
+            self.encoding = encoding_for(self.path)
+            sniff = False
+        except ValueError:
+            self.encoding, sniff = Encoding.msgpack, True
+        with open(self.path, "rb") as fh:
+            self.size = os.fstat(fh.fileno()).st_size
+            self._mm: mmap.mmap | None = None
+            if self.size:
+                try:
+                    self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+                except (ValueError, OSError):  # not mappable (pipe, special file): read it
+                    self._mm = None
+            if self._mm is not None:
+                self._data: Any = self._mm
+                self._src: Any = self._mm
+            else:
+                data = fh.read()
+                self.size = len(data)
+                self._data, self._src = data, io.BytesIO(data)
+        if sniff and self.size:
+            head = bytes(self._data[:64]).lstrip()
+            if head.startswith(b"{"):
+                self.encoding = Encoding.jsonl
+        self._u: msgpack.Unpacker | None = None       # sequential runs (reads the file)
+        self._u_base = 0
+        self._single: msgpack.Unpacker | None = None  # random access (fed slices)
+        try:
+            first = self.decode_at(0)
+            if first is None:
+                raise RankLogError(self.path, None, "empty file: no rank log header")
+            obj, self.body_offset = first
+            self.header = parse_header(obj, self.path, self.where(0))
+        except BaseException:
+            self.close()
+            raise
+        self.version: int = self.header["version"]
+        self.rank: int = self.header["rank"]
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def close(self) -> None:
+        self._u = self._single = None
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+
+    def __enter__(self) -> "RankLogFile":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def require_supported(self) -> None:
+        if self.version not in SUPPORTED_VERSIONS:
+            raise RankLogError(self.path, self.where(0),
+                              f"unsupported rank log version {self.version} (this hicache reads "
+                              f"version {', '.join(map(str, SUPPORTED_VERSIONS))})")
+
+    # -- positions -----------------------------------------------------------------------------
+    def where(self, offset: int) -> str:
+        """Human position of ``offset``: ``byte offset N`` or ``line N``."""
+        if self.encoding is Encoding.jsonl:
+            return f"line {bytes(self._data[:offset]).count(_NL) + 1}"
+        return f"byte offset {offset}"
+
+    def error(self, offset: int, problem: str) -> RankLogError:
+        return RankLogError(self.path, self.where(offset), problem)
+
+    def raw(self, start: int, end: int) -> bytes:
+        """The file's bytes ``[start, end)`` (shorter at the end of the file)."""
+        return self._data[start:end]
+
+    # -- decoding ------------------------------------------------------------------------------
+    def _unpacker_at(self, offset: int) -> msgpack.Unpacker:
+        u = self._u
+        if u is not None and self._u_base + u.tell() == offset:
+            return u
+        self._src.seek(offset)
+        u = msgpack.Unpacker(
+            self._src, read_size=min(_READ_SIZE, MAX_RECORD_BYTES),
+            max_buffer_size=MAX_RECORD_BYTES, raw=False,
+            use_list=True, strict_map_key=True, ext_hook=_no_ext, max_str_len=MAX_STR_BYTES,
+            max_bin_len=MAX_RECORD_BYTES, max_array_len=MAX_ARRAY_LEN, max_map_len=MAX_MAP_LEN,
+            max_ext_len=0)
+        self._u, self._u_base = u, offset
+        return u
+
+    def _bad_msgpack(self, offset: int, exc: BaseException) -> RankLogError:
+        self._u = None
+        if isinstance(exc, msgpack.BufferFull):
+            return self.error(offset,
+                              f"record larger than the {_size_text(MAX_RECORD_BYTES)} limit")
+        if "max_ext_len" in str(exc):
+            return self.error(offset, "msgpack extension types (timestamps, ...) are not allowed "
+                                      "in a rank log")
+        return self.error(offset, f"undecodable msgpack ({type(exc).__name__}: {exc})")
+
+    def _single_unpacker(self) -> msgpack.Unpacker:
+        u = self._single
+        if u is None:
+            u = self._single = msgpack.Unpacker(
+                read_size=_SINGLE_GUESS, max_buffer_size=MAX_RECORD_BYTES, raw=False,
+                use_list=True, strict_map_key=True, ext_hook=_no_ext, max_str_len=MAX_STR_BYTES,
+                max_bin_len=MAX_RECORD_BYTES, max_array_len=MAX_ARRAY_LEN,
+                max_map_len=MAX_MAP_LEN, max_ext_len=0)
+        return u
+
+    def decode_at(self, offset: int) -> tuple[Any, int] | None:
+        """The record starting at ``offset`` and the offset after it; ``None`` at end of file."""
+        if offset >= self.size:
+            return None
+        if self.encoding is Encoding.jsonl:
+            return self._jsonl_at(offset)
+        u = self._u
+        if u is not None and self._u_base + u.tell() == offset:   # sequential reading
+            try:
+                obj = u.unpack()
+                end = self._u_base + u.tell()
+                if end - offset > MAX_RECORD_BYTES:
+                    self._u = None
+                    raise self.error(offset, f"record larger than the "
+                                             f"{_size_text(MAX_RECORD_BYTES)} limit")
+                return obj, end
+            except msgpack.OutOfData:
+                self._u = None
+                raise self.error(offset, f"truncated record: the file ends at byte {self.size} "
+                                         f"inside it") from None
+            except (ValueError, msgpack.UnpackException) as exc:
+                raise self._bad_msgpack(offset, exc) from None
+        # random access: a long-lived feed-mode unpacker, fed a guess of the record's size
+        u = self._single_unpacker()
+        data, t0, fed, want = self._data, u.tell(), offset, _SINGLE_GUESS
+        try:
+            while True:
+                piece = data[fed:fed + want]
+                u.feed(piece)
+                fed += len(piece)
+                try:
+                    obj = u.unpack()
+                    break
+                except msgpack.OutOfData:
+                    if fed >= self.size:
+                        self._single = None
+                        raise self.error(offset, f"truncated record: the file ends at byte "
+                                                 f"{self.size} inside it") from None
+                    want = min(2 * want, MAX_RECORD_BYTES)
+        except (ValueError, msgpack.UnpackException) as exc:
+            self._single = None
+            raise self._bad_msgpack(offset, exc) from None
+        end = offset + u.tell() - t0
+        if fed > end:
+            u.read_bytes(fed - end)   # drop what was fed past the record
+        return obj, end
+
+    def _jsonl_at(self, offset: int) -> tuple[Any, int] | None:
+        data, size = self._data, self.size
+        while offset < size:
+            nl = data.find(b"\n", offset)
+            end = size if nl < 0 else nl
+            if end - offset > MAX_RECORD_BYTES:
+                raise self.error(offset,
+                                 f"line longer than the {_size_text(MAX_RECORD_BYTES)} limit")
+            line = data[offset:end]
+            nxt = end + 1 if nl >= 0 else size
+            if line.strip():
+                try:
+                    return json.loads(line), nxt
+                except json.JSONDecodeError as exc:
+                    raise self.error(offset, f"invalid JSON ({exc.msg} at column {exc.colno})") \
+                        from None
+                except (ValueError, RecursionError) as exc:
+                    raise self.error(offset, f"invalid JSON ({type(exc).__name__}: {exc})") \
+                        from None
+            offset = nxt
+        return None
+
+    def decode_run(self, offset: int, max_records: int) -> tuple[list[Any], int]:
+        """Up to ``max_records`` records from ``offset`` (fewer only at the end of the file)
+        and the offset after the last one."""
+        if self.encoding is Encoding.jsonl:
+            objs: list[Any] = []
+            while len(objs) < max_records:
+                r = self._jsonl_at(offset)
+                if r is None:
+                    break
+                objs.append(r[0])
+                offset = r[1]
+            return objs, offset
+        if offset >= self.size:
+            return [], offset
+        u = self._unpacker_at(offset)
+        try:
+            objs = list(islice(u, max_records))
+        except (ValueError, msgpack.UnpackException):
+            self._u = None
+            self.raise_first_bad(offset)
+            raise AssertionError("unreachable")  # pragma: no cover
+        ends = None
+        if len(objs) == max_records:
+            end = self._u_base + u.tell()
+        else:
+            # Short run: the end of the file. After a partial record the unpacker's position is
+            # not a record boundary, so find the end of the last complete record by skipping.
+            self._u = None
+            ends = self.record_ends(offset, len(objs)) if objs else []
+            end = ends[-1] if ends else offset
+            if end < self.size:
+                self._u = None
+                raise self.error(end, f"truncated record: the file ends at byte {self.size} "
+                                      f"inside it")
+        if end - offset > MAX_RECORD_BYTES:   # the reader streams: check record sizes after
+            ends = ends or self.record_ends(offset, len(objs))
+            for start, stop in zip([offset, *ends], ends):
+                if stop - start > MAX_RECORD_BYTES:
+                    self._u = None
+                    raise self.error(start, f"record larger than the "
+                                            f"{_size_text(MAX_RECORD_BYTES)} limit")
+        return objs, end
+
+    def record_ends(self, offset: int, n: int) -> list[int]:
+        """End offsets of the ``n`` records from ``offset`` (they were decoded before)."""
+        ends: list[int] = []
+        if self.encoding is Encoding.jsonl:
+            for _ in range(n):
+                r = self._jsonl_at(offset)
+                assert r is not None, (self.path, offset)
+                offset = r[1]
+                ends.append(offset)
+            return ends
+        u = self._unpacker_at(offset)
+        base, skip, tell = self._u_base, u.skip, u.tell
+        for _ in range(n):
+            skip()
+            ends.append(base + tell())
+        return ends
+
+    def raise_first_bad(self, offset: int) -> None:
+        """Decode record by record from ``offset`` and raise for the first bad one."""
+        while True:
+            r = self.decode_at(offset)
+            if r is None:
+                raise self.error(offset, "undecodable record")
+            obj, end = r
+            problem = event_problem(obj)
+            if problem is not None:
+                raise self.error(offset, problem)
+            offset = end
+
+    def read_run(self, offset: int, max_records: int) -> tuple[Run, int]:
+        """:meth:`decode_run` + :func:`split_run`; raises for the first invalid event."""
+        objs, end = self.decode_run(offset, max_records)
+        run = split_run(objs)
+        if run is None:
+            self.raise_first_bad(offset)
+        return run, end  # type: ignore[return-value]
+
+    def events(self, chunk: int = 4096) -> Iterator[dict[str, Any]]:
+        """Every event, validated, as recorded (a plain streaming reader)."""
+        offset = self.body_offset
+        while True:
+            run, end = self.read_run(offset, chunk)
+            for i in range(len(run)):
+                yield run.full(i)
+            if len(run) < chunk:
+                return
+            offset = end
+
+
+def read_ranklog(path: str | os.PathLike) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Header and all events of a (small) rank log; large logs: use :class:`RankLogFile`."""
+    with RankLogFile(path) as f:
+        f.require_supported()
+        return f.header, list(f.events())
+
+
+# -- comparing events of several ranks -------------------------------------------------------
+def differing_fields(events: Sequence[Mapping[str, Any] | None]) -> list[str]:
+    """Fields (in first-seen order) whose value is not the same in every present event."""
+    present = [e for e in events if e is not None]
+    keys: dict[str, None] = {}
+    for e in present:
+        keys.update(dict.fromkeys(e))
+    out = []
+    for k in keys:
+        vals = [e.get(k, _ABSENT) for e in present]
+        if any(v is _ABSENT for v in vals) or any(v != vals[0] for v in vals[1:]):
+            out.append(k)
+    return out
+
+
+def classify(events: Sequence[Mapping[str, Any] | None]) -> str:
+    """Category of a difference between ranks' events at the same place (v1 rules).
+
+    ``events`` holds one compared event per rank (no ``seq``, no ``local_*``), ``None`` for a rank
+    that has no event there (its log ended or skips it). See docs/rank-log-format.md.
+    """
+    present = [e for e in events if e is not None]
+    if len(present) < len(events):
+        return MISSING
+    kinds = {e.get("kind") for e in present}
+    if len(kinds) > 1:
+        for category, family in MIXED_KIND_ORDER:
+            if kinds & family:
+                return category
+        return EVENT
+    rule = KIND_RULES.get(next(iter(kinds)))  # type: ignore[arg-type]
+    if rule is not None and set(differing_fields(present)) & set(rule[1]):
+        return rule[0]
+    return EVENT
