@@ -68,6 +68,14 @@ def register(bench_app: typer.Typer) -> None:
                                                  "snapshot (for `hicache inspect`) at the end."),
         rank_log_dir: Optional[Path] = typer.Option(None, "--rank-log-dir", help="Write this "
                                                     "rank's event log (for consensus-check)."),
+        rank: int = typer.Option(0, "--rank", help="Rank number written into the rank log "
+                                 "header (replays standing in for the ranks of one replica)."),
+        world_size: int = typer.Option(1, "--world-size", help="World size for the rank log "
+                                       "header."),
+        inject_divergence: Optional[str] = typer.Option(
+            None, "--inject-divergence", help="Debug: break this rank's decisions, e.g. "
+            "'hit_length@rank=1,step=30' (kinds: hit_length, restore_completion, lock_order, "
+            "eviction_eligibility, pp_ack, missing_events)."),
         no_events: bool = typer.Option(False, "--no-events", help="Do not record cache "
                                        "decision events (to measure their overhead)."),
         fmt: OutputFormat = typer.Option(OutputFormat.human, "--format", help="human or json."),
@@ -137,7 +145,16 @@ def register(bench_app: typer.Typer) -> None:
         n = len(records) if limit is None else min(limit, len(records))
         from engine.events import EventLog
 
-        events = EventLog(enabled=not no_events, keep=rank_log_dir is not None)
+        from engine.divergence import install
+        from engine.events import RankInfo
+
+        if not 0 <= rank < world_size:
+            fail(f"--rank must be in [0, --world-size), got rank {rank} of {world_size}", code=2)
+        events = EventLog(RankInfo(rank=rank, world_size=world_size, tp_rank=rank,
+                                   tp_size=world_size),
+                          enabled=not no_events, keep=rank_log_dir is not None)
+        if inject_divergence:
+            install(events, inject_divergence)
         keep = dump_tree is not None
         if show_progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, \
