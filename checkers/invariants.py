@@ -90,7 +90,7 @@ def check_tree(tree: Any, idle: bool = False) -> list[str]:
     return out
 
 
-def _tier_pages(tree: Any, tier: str) -> tuple[np.ndarray, list[str]]:
+def tier_pages(tree: Any, tier: str) -> tuple[np.ndarray, list[str]]:
     parts = [getattr(n, tier) for n in tree.iter_nodes() if getattr(n, tier) is not None]
     pages = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
     out = []
@@ -107,7 +107,7 @@ def check_cache(cache: Any, idle: bool = False) -> list[str]:
     for tier, alloc in (("l1", cache.l1_alloc), ("l2", cache.l2_alloc)):
         if alloc is None:
             continue
-        pages, dup = _tier_pages(cache.tree, tier)
+        pages, dup = tier_pages(cache.tree, tier)
         out += dup
         if pages.size and not alloc.is_allocated(pages).all():
             out.append(f"slots: {tier.upper()} pages referenced by the tree are free in the "

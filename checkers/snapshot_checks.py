@@ -12,14 +12,14 @@ from typing import Any
 
 import numpy as np
 
-from checkers.invariants import _tier_pages, check_tree
+from checkers.invariants import tier_pages, check_tree
 
 
 def check_snapshot(snap: Any) -> list[str]:
     out = check_tree(snap)
     p = snap.page_size
     for tier in ("l1", "l2"):
-        pages, dup = _tier_pages(snap, tier)
+        pages, dup = tier_pages(snap, tier)
         out += dup
         cap = snap.capacity.get(tier)
         if cap is None or not pages.size:
