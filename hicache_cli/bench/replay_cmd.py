@@ -76,6 +76,13 @@ def register(bench_app: typer.Typer) -> None:
             None, "--inject-divergence", help="Debug: break this rank's decisions, e.g. "
             "'hit_length@rank=1,step=30' (kinds: hit_length, restore_completion, lock_order, "
             "eviction_eligibility, pp_ack, missing_events)."),
+        ranks: int = typer.Option(1, "--ranks", help="Replay as N real ranks (processes over "
+                                  "torch.distributed gloo) of one replica."),
+        enable_rank_consensus: bool = typer.Option(
+            False, "--enable-rank-consensus", help="With --ranks: compare the ranks' decisions "
+            "online and stop at the first divergence (logs go to --rank-log-dir)."),
+        consensus_every: int = typer.Option(16, "--consensus-every", help="Compare every N "
+                                            "requests (online consensus)."),
         no_events: bool = typer.Option(False, "--no-events", help="Do not record cache "
                                        "decision events (to measure their overhead)."),
         fmt: OutputFormat = typer.Option(OutputFormat.human, "--format", help="human or json."),
@@ -105,6 +112,18 @@ def register(bench_app: typer.Typer) -> None:
             fail("--plot needs --sweep", code=2)
         if l1_tokens < page_size:
             fail(f"--l1-tokens {l1_tokens} holds no page of {page_size} tokens", code=2)
+
+        if ranks > 1 or enable_rank_consensus:
+            _positive("--ranks", ranks, allow_zero=False)
+            _positive("--consensus-every", consensus_every, allow_zero=False)
+            if sweep or dump_tree is not None:
+                fail("--ranks does not combine with --sweep or --dump-tree", code=2)
+            _multi_rank(trace, ranks, ReplayConfig(
+                page_size=page_size, l1_tokens=l1_tokens, l2_tokens=l2_tokens,
+                l3_tokens=l3_tokens, policy=policy, write_policy=write_policy, limit=limit),
+                rank_log_dir, consensus_every if enable_rank_consensus else 0,
+                inject_divergence, fmt)
+            return
 
         records = read_trace(str(trace), limit)
         show_progress = fmt is OutputFormat.human or progress
@@ -191,6 +210,49 @@ def register(bench_app: typer.Typer) -> None:
             emit_json(out)
         else:
             _print_result(out)
+
+
+def _multi_rank(trace: Path, ranks: int, cfg, rank_log_dir: Optional[Path], every: int,
+                inject: Optional[str], fmt: OutputFormat) -> None:
+    from engine.divergence import parse_spec
+    from engine.loadgen.trace import read_trace
+    from engine.replay_ranks import RankRun, replay_ranks
+    from hicache_cli.output import EXIT_CHECK, EXIT_ERROR
+
+    read_trace(str(trace), cfg.limit)        # fail fast, in this process, on a bad trace
+    if inject:
+        parse_spec(inject)
+    if every and rank_log_dir is None:
+        fail("--enable-rank-consensus needs --rank-log-dir (where logs go on divergence)",
+             code=2)
+    stderr.print(f"replaying on {ranks} ranks (gloo){' with online consensus' if every else ''}")
+    results = replay_ranks(RankRun(str(trace), cfg, ranks,
+                                   str(rank_log_dir) if rank_log_dir else None, every, inject))
+    errors = [r for r in results if "error" in r]
+    if errors:
+        fail(f"rank {errors[0]['rank']} failed: {errors[0]['error']}", code=EXIT_ERROR)
+    diverged = [r for r in results if "consensus_error" in r]
+    out = {"trace": str(trace), "ranks": ranks, "online_consensus": bool(every),
+           "consistent": not diverged}
+    if diverged:
+        out["consensus_error"] = diverged[0]["consensus_error"]
+        out["rank_log_dir"] = diverged[0]["log_dir"]
+    else:
+        out["result"] = results[0]["result"]
+        out["online_checks"] = results[0]["online_checks"]
+        out["identical_hit_rates"] = len({r["result"]["token_hit_rate"] for r in results}) == 1
+        if rank_log_dir is not None:
+            out["rank_logs"] = [r["rank_log"] for r in results]
+    if fmt is OutputFormat.json:
+        emit_json(out)
+    elif diverged:
+        stdout.print(f"[bold red]✗[/] {out['consensus_error']}", markup=True)
+    else:
+        _print_result({**out["result"], "trace": str(trace)})
+        stdout.print(f"{ranks} ranks agreed" + (f" ({out['online_checks']} online checks)"
+                                                  if every else ""))
+    if diverged:
+        raise typer.Exit(EXIT_CHECK)
 
 
 def _print_result(d: dict) -> None:
