@@ -21,6 +21,9 @@ run_cmd.register(bench_app)
 from hicache_cli.bench import main_job  # noqa: E402
 
 main_job.register(bench_app)
+from hicache_cli.bench import serve_cmd  # noqa: E402
+
+serve_cmd.register(bench_app)
 
 
 def register(app: typer.Typer) -> None:

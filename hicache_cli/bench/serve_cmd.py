@@ -1,0 +1,136 @@
+"""``hicache bench serve``: the benchmark server (SGLang- and OpenAI-compatible HTTP API)."""
+
+from __future__ import annotations
+
+import enum
+import errno
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from hicache_cli.output import OutputFormat, fail, handle_errors, stderr
+
+
+class DeviceChoice(str, enum.Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class MemLayout(str, enum.Enum):
+    layer_first = "layer_first"
+    page_first = "page_first"
+
+
+class WritePolicyChoice(str, enum.Enum):
+    write_through = "write_through"
+    write_through_selective = "write_through_selective"
+    write_back = "write_back"
+
+
+class LogLevel(str, enum.Enum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+
+
+def register(bench_app: typer.Typer) -> None:
+    @bench_app.command("serve")
+    @handle_errors
+    def serve_cmd(
+        host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+        port: int = typer.Option(30000, "--port", help="Port (0 = pick a free one)."),
+        device: DeviceChoice = typer.Option(DeviceChoice.auto, "--device",
+                                            help="auto = cuda when a GPU is usable, else cpu."),
+        model: str = typer.Option("tiny", "--model", help="Preset (tiny, tiny-mla, small, "
+                                  "small-mla, medium) or a local Hugging Face Llama checkpoint "
+                                  "directory (config.json + *.safetensors)."),
+        l1_tokens: int = typer.Option(16384, "--l1-tokens", help="L1 (device) KV capacity in "
+                                      "tokens."),
+        l2_tokens: Optional[int] = typer.Option(
+            None, "--l2-tokens", help="L2 (host) KV capacity in tokens; 0 = no L2. Default: "
+                                      "--hicache-size, else --hicache-ratio x L1."),
+        page_size: int = typer.Option(16, "--page-size", help="Tokens per KV page."),
+        hicache_ratio: float = typer.Option(2.0, "--hicache-ratio",
+                                            help="L2 size as a multiple of L1 (SGLang)."),
+        hicache_size: float = typer.Option(0.0, "--hicache-size", help="L2 size in GB of host "
+                                           "memory (SGLang; overrides --hicache-ratio)."),
+        write_policy: WritePolicyChoice = typer.Option(
+            WritePolicyChoice.write_through, "--hicache-write-policy",
+            help="When L1 pages are copied to L2."),
+        mem_layout: MemLayout = typer.Option(MemLayout.layer_first, "--hicache-mem-layout",
+                                             help="Host (L2) pool layout."),
+        disable_radix_cache: bool = typer.Option(False, "--disable-radix-cache",
+                                                 help="No prefix reuse: every prompt is "
+                                                      "computed in full."),
+        max_running_requests: int = typer.Option(64, "--max-running-requests",
+                                                 help="Requests decoding at once."),
+        chunked_prefill_size: int = typer.Option(512, "--chunked-prefill-size",
+                                                 help="Prompt tokens prefilled per step."),
+        eviction_policy: str = typer.Option("lru", "--eviction-policy",
+                                            "--radix-eviction-policy",
+                                            help="lru, lfu or priority."),
+        seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the random weights "
+                                           "(presets; default: the preset's)."),
+        dump_tree_on_exit: Optional[Path] = typer.Option(
+            None, "--dump-tree-on-exit", help="Write a radix-tree snapshot (for `hicache "
+                                              "inspect`) when the server stops."),
+        log_level: LogLevel = typer.Option(LogLevel.warning, "--log-level",
+                                           help="Server log verbosity (stderr)."),
+        fmt: OutputFormat = typer.Option(OutputFormat.human, "--format",
+                                         help="human: the URL on stderr; json: also a JSON "
+                                              "line with the URL and configuration on stdout."),
+    ) -> None:
+        """Run the benchmark server until Ctrl-C / SIGTERM.
+
+        Example: hicache bench serve --l1-tokens 8192 --l2-tokens 65536
+        then:    curl -s localhost:30000/generate -d '{"text": "Hi", "sampling_params":
+                 {"max_new_tokens": 8, "temperature": 0}}'
+        """
+        # Before torch loads (no effect if it already has): OpenMP threads that spin-wait
+        # collapse when another process, e.g. the load generator, shares the cores (measured:
+        # 2 instead of 80 decode steps/s on 2 busy cores); passive waiting keeps the speed-up.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        from engine.serving import Engine, ServerConfig, serve
+
+        logging.basicConfig(level=log_level.value.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        cfg = ServerConfig(
+            host=host, port=port, device=device.value, model=model, seed=seed,
+            page_size=page_size, l1_tokens=l1_tokens, l2_tokens=l2_tokens,
+            hicache_ratio=hicache_ratio, hicache_size_gb=hicache_size,
+            write_policy=write_policy.value, host_layout=mem_layout.value,
+            eviction_policy=eviction_policy, disable_radix_cache=disable_radix_cache,
+            max_running_requests=max_running_requests,
+            chunked_prefill_size=chunked_prefill_size)
+
+        def ready(url: str, engine: Engine) -> None:
+            d = engine.describe()
+            if fmt is OutputFormat.json:      # one line, so a parent can read it as it comes
+                sys.stdout.write(json.dumps({"url": url, **d}) + "\n")
+                sys.stdout.flush()
+            l2 = f"{d['l2_tokens']} tokens" if d["l2_tokens"] else "off"
+            stderr.print(f"hicache bench serve: listening on {url}  (model {d['model']}, "
+                         f"{d['device']}, L1 {d['l1_tokens']} tokens, L2 {l2}, page "
+                         f"{d['page_size']}, {d['host_layout']})")
+
+        def on_exit(engine: Engine) -> None:
+            if dump_tree_on_exit is not None:
+                from engine.snapshot import write_snapshot
+
+                n = write_snapshot(dump_tree_on_exit, engine.cache,
+                                   {"model": engine.model_name, "source": "bench serve"})
+                stderr.print(f"wrote {dump_tree_on_exit} ({n} nodes)")
+
+        try:
+            serve(cfg, on_ready=ready, on_exit=on_exit)
+        except OSError as exc:
+            if exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+                fail(f"cannot listen on {host}:{port}: {exc.strerror}")
+            raise
