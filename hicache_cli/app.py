@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-import typer
+import os
+
+# Before torch loads: OpenMP threads that spin-wait collapse when another process (the load
+# generator, a second server) shares the cores; passive waiting keeps the speed-up.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import typer  # noqa: E402
 
 app = typer.Typer(
     name="hicache",

@@ -1,6 +1,12 @@
 """Shared pytest setup: GPU tests run where a CUDA device exists and are skipped elsewhere."""
 
-import pytest
+import os
+
+# Before torch loads: spin-waiting OpenMP threads slow to a crawl when the test's server and
+# client share the 2 cores of a CI machine.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -58,7 +58,7 @@ class ServerHandle:
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
-            self.engine.cache.close()
+            self.engine.stop()                # rank log (if asked), then the cache closes
 
     def __enter__(self) -> "ServerHandle":
         return self

@@ -294,7 +294,7 @@ async def metrics(request: web.Request) -> web.Response:
     def collect() -> str:
         info = {k: v for k, v in engine.describe().items()
                 if k in ("model", "attention", "device", "page_size", "host_layout",
-                         "write_policy")}
+                         "write_policy", "l3")}
         return prom.render(sched.metrics, engine.cache.stats(), sched.num_running(),
                            sched.num_waiting(), info)
 

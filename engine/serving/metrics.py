@@ -101,6 +101,27 @@ def render(m: SchedulerMetrics, cache_stats: dict[str, Any], running: int, waiti
     w.scalar("tree_nodes", "gauge", "Radix tree nodes.", cache_stats.get("nodes", 0))
     w.scalar("inflight_transfers", "gauge", "Transfers issued and not yet committed.",
              cache_stats.get("inflight_ops", 0))
+    l3 = cache_stats.get("l3")
+    fam = w.family("l3_enabled", "gauge", "1 when the L3 store is attached and serving; the "
+                   "status label says why not otherwise.")
+    w.sample(fam, 1 if l3 is not None else 0, {"status": str(info.get("l3", "off"))})
+    if l3 is not None:
+        fam = w.family("l3_pages_total", "counter", "L3 page operations by outcome.")
+        for key in ("hits", "misses", "corrupt", "layout_mismatch", "errors", "puts",
+                    "put_skipped", "put_failed"):
+            if key in l3:
+                w.sample(fam, l3[key], {"outcome": key})
+        fam = w.family("l3_bytes_total", "counter", "Bytes moved to and from L3.")
+        w.sample(fam, l3.get("bytes_read", 0), {"direction": "read"})
+        w.sample(fam, l3.get("bytes_written", 0), {"direction": "written"})
+        backend = l3.get("backend") or {}
+        if isinstance(backend, dict):
+            w.scalar("l3_backend_healthy", "gauge", "1 while the L3 backend answers.",
+                     1 if backend.get("healthy", True) else 0)
+            w.scalar("l3_backend_errors_total", "counter", "Errors the L3 backend counted.",
+                     backend.get("errors", 0))
+    w.scalar("prefetch_pages_total", "counter", "Pages prefetched from L3 into L2.",
+             cache_stats.get("prefetch_pages", 0))
     w.scalar("running_requests", "gauge", "Requests admitted and not finished.", running)
     w.scalar("waiting_requests", "gauge", "Requests queued for admission.", waiting)
     w.scalar("scheduler_steps_total", "counter", "Scheduler steps that ran a batch.", m.steps)

@@ -46,6 +46,15 @@ class ServerConfig:
     chunked_prefill_size: int = 512
     exact: bool | None = None          # batch-invariant kernels (default: on CPU)
     record_events: bool = False        # keep the cache's event log in memory
+    # L3 (SGLang's names): backend None = no L3
+    hicache_storage_backend: str | None = None       # file | mooncake | memory
+    hicache_storage_dir: str | None = None           # file: directory (default: a temp dir)
+    hicache_storage_backend_config: str | None = None  # JSON file (file/mooncake settings)
+    hicache_storage_size_limit: str | None = None    # file: e.g. "20GiB" (LRU beyond it)
+    hicache_storage_prefetch_policy: str = "timeout"  # best_effort | wait_complete | timeout
+    hicache_storage_prefetch_timeout: float = 2.0    # seconds, for "timeout"
+    rank_log_dir: str | None = None    # write this rank's event log there on shutdown
+    inject_divergence: str | None = None  # debug: break this rank's decisions (engine.divergence)
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -64,6 +73,19 @@ class ServerConfig:
             raise ValueError(f"unknown eviction policy {self.eviction_policy!r}; choose one of "
                              f"{policy_names()}")
         SchedulerConfig(self.max_running_requests, self.chunked_prefill_size)
+        if self.hicache_storage_backend is not None:
+            from engine.storage import BackendKind
+
+            BackendKind.parse(self.hicache_storage_backend)
+        from engine.l3 import PrefetchPolicy
+
+        PrefetchPolicy.parse(self.hicache_storage_prefetch_policy)
+        if self.hicache_storage_prefetch_timeout < 0:
+            raise ValueError("--hicache-storage-prefetch-timeout must be >= 0")
+        if self.inject_divergence:
+            from engine.divergence import parse_spec
+
+            parse_spec(self.inject_divergence)
 
     def l2_tokens_for(self, token_bytes: int) -> int:
         """Resolved L2 size in tokens (a multiple of the page size)."""
@@ -95,18 +117,64 @@ class Engine:
             write_policy=cfg.write_policy, write_through_threshold=cfg.write_through_threshold,
             eviction_policy=cfg.eviction_policy, host_layout=cfg.host_layout,
             device=self.device, layout=layout),
-            events=EventLog(enabled=cfg.record_events, keep=cfg.record_events))
+            events=self._event_log(cfg))
+        self.model_tag = model_tag(cfg.model, mc)
+        self.l3_status = "off"
+        if cfg.hicache_storage_backend is not None or \
+                cfg.hicache_storage_backend_config is not None:
+            self._attach_storage(cfg, layout)
         self.scheduler = Scheduler(self.model, self.cache, SchedulerConfig(
             max_running_requests=cfg.max_running_requests,
             chunked_prefill_size=cfg.chunked_prefill_size,
             disable_radix_cache=cfg.disable_radix_cache))
         self.model_name = mc.name
 
+    @staticmethod
+    def _event_log(cfg: ServerConfig) -> EventLog:
+        keep = cfg.record_events or cfg.rank_log_dir is not None
+        log_ = EventLog(enabled=keep or bool(cfg.inject_divergence), keep=keep)
+        if cfg.inject_divergence:
+            from engine.divergence import install
+
+            install(log_, cfg.inject_divergence)
+        return log_
+
+    def _attach_storage(self, cfg: ServerConfig, layout) -> None:
+        """L3 on, or — when the store cannot be reached — off, said on stderr and /metrics."""
+        from engine.errors import StorageError
+        from engine.l3 import StoreTier
+        from engine.storage import L3Store, StorageConfig
+
+        if not self.l2_tokens:
+            raise ValueError("an L3 store needs an L2 host pool: set --l2-tokens > 0 "
+                             "(or --hicache-ratio / --hicache-size)")
+        scfg = StorageConfig.from_options(cfg.hicache_storage_backend, cfg.hicache_storage_dir,
+                                          cfg.hicache_storage_backend_config,
+                                          cfg.hicache_storage_size_limit)
+        try:
+            store = L3Store.open(scfg, layout, model_tag=self.model_tag)
+        except StorageError as exc:
+            self.l3_status = f"unavailable: {exc}"
+            log.warning("L3 store (%s) unavailable, serving with L3 off: %s",
+                        scfg.backend.value, exc)
+            return
+        self.cache.attach_l3(StoreTier(store, self.cache.l2),
+                             prefetch_policy=cfg.hicache_storage_prefetch_policy,
+                             prefetch_timeout=cfg.hicache_storage_prefetch_timeout)
+        self.l3_status = f"on ({scfg.backend.value})"
+
     def start(self) -> None:
         self.scheduler.start()
 
     def stop(self) -> None:
         self.scheduler.stop()
+        if self.cfg.rank_log_dir is not None:
+            self.cache.wait_all()
+            os.makedirs(self.cfg.rank_log_dir, exist_ok=True)
+            path = os.path.join(self.cfg.rank_log_dir,
+                                f"rank{self.cache.events.rank.rank}.ranklog")
+            self.cache.events.write(path)
+            log.info("rank log written to %s", path)
         self.cache.close()
 
     def describe(self) -> dict[str, Any]:
@@ -117,4 +185,18 @@ class Engine:
                 "l1_tokens": self.cfg.l1_tokens, "l2_tokens": self.l2_tokens,
                 "host_layout": self.cfg.host_layout, "write_policy": self.cfg.write_policy,
                 "radix_cache": not self.cfg.disable_radix_cache,
-                "max_context": mc.max_context, "vocab_size": mc.vocab_size}
+                "max_context": mc.max_context, "vocab_size": mc.vocab_size,
+                "l3": self.l3_status,
+                "l3_prefetch_policy": self.cfg.hicache_storage_prefetch_policy
+                if self.cache.l3 is not None else None}
+
+
+def model_tag(spec: str, mc: Any) -> str:
+    """What L3 keys carry so that different models (or seeds) never share stored KV."""
+    if os.path.isdir(spec):
+        import hashlib
+
+        with open(os.path.join(spec, "config.json"), "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()[:16]
+        return f"{mc.name}/config-{digest}"
+    return f"{mc.name}/seed-{getattr(mc, 'seed', None)}"

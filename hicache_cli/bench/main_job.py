@@ -41,7 +41,7 @@ class MainJobConfig:
     output_length: int = 8
     concurrency: int = 4
     l1_tokens: int = 4096
-    l2_tokens: int = 32768
+    l2_tokens: int = 4096       # = L1: the history spills to the file L3, so all three tiers hit
     storage: bool = True
     device: str = "auto"
     model: str = "tiny"

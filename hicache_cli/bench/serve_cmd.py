@@ -78,6 +78,31 @@ def register(bench_app: typer.Typer) -> None:
                                             help="lru, lfu or priority."),
         seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the random weights "
                                            "(presets; default: the preset's)."),
+        storage_backend: Optional[str] = typer.Option(
+            None, "--hicache-storage-backend", help="L3 store: file (a directory) or mooncake "
+            "(a Mooncake Store); default none."),
+        storage_dir: Optional[str] = typer.Option(
+            None, "--hicache-storage-dir", help="file backend: the directory (default: a "
+            "temporary one)."),
+        storage_config: Optional[Path] = typer.Option(
+            None, "--hicache-storage-backend-config", help="JSON file with backend settings, "
+            "e.g. {\"backend\": \"mooncake\", \"mooncake\": {\"master_server_address\": "
+            "\"127.0.0.1:50051\", ...}} (see docs/storage.md)."),
+        storage_size_limit: Optional[str] = typer.Option(
+            None, "--hicache-storage-size-limit", help="file backend: size limit such as "
+            "20GiB (LRU eviction beyond it)."),
+        prefetch_policy: str = typer.Option(
+            "timeout", "--hicache-storage-prefetch-policy", help="L3 -> L2 prefetch on a miss: "
+            "best_effort (never wait), wait_complete, or timeout."),
+        prefetch_timeout: float = typer.Option(
+            2.0, "--hicache-storage-prefetch-timeout", help="Seconds a prefetch may hold a "
+            "request (timeout policy)."),
+        rank_log_dir: Optional[Path] = typer.Option(
+            None, "--rank-log-dir", help="Record every cache decision and write this rank's "
+            "log there on shutdown (for `hicache consensus-check`)."),
+        inject_divergence: Optional[str] = typer.Option(
+            None, "--inject-divergence", help="Debug: break this rank's recorded decisions, "
+            "e.g. 'hit_length@rank=0,step=5'."),
         dump_tree_on_exit: Optional[Path] = typer.Option(
             None, "--dump-tree-on-exit", help="Write a radix-tree snapshot (for `hicache "
                                               "inspect`) when the server stops."),
@@ -108,7 +133,14 @@ def register(bench_app: typer.Typer) -> None:
             write_policy=write_policy.value, host_layout=mem_layout.value,
             eviction_policy=eviction_policy, disable_radix_cache=disable_radix_cache,
             max_running_requests=max_running_requests,
-            chunked_prefill_size=chunked_prefill_size)
+            chunked_prefill_size=chunked_prefill_size,
+            hicache_storage_backend=storage_backend, hicache_storage_dir=storage_dir,
+            hicache_storage_backend_config=str(storage_config) if storage_config else None,
+            hicache_storage_size_limit=storage_size_limit,
+            hicache_storage_prefetch_policy=prefetch_policy,
+            hicache_storage_prefetch_timeout=prefetch_timeout,
+            rank_log_dir=str(rank_log_dir) if rank_log_dir else None,
+            inject_divergence=inject_divergence)
 
         def ready(url: str, engine: Engine) -> None:
             d = engine.describe()
@@ -117,8 +149,8 @@ def register(bench_app: typer.Typer) -> None:
                 sys.stdout.flush()
             l2 = f"{d['l2_tokens']} tokens" if d["l2_tokens"] else "off"
             stderr.print(f"hicache bench serve: listening on {url}  (model {d['model']}, "
-                         f"{d['device']}, L1 {d['l1_tokens']} tokens, L2 {l2}, page "
-                         f"{d['page_size']}, {d['host_layout']})")
+                         f"{d['device']}, L1 {d['l1_tokens']} tokens, L2 {l2}, L3 {d['l3']}, "
+                         f"page {d['page_size']}, {d['host_layout']})")
 
         def on_exit(engine: Engine) -> None:
             if dump_tree_on_exit is not None:
