@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import heapq
 from typing import Any, Sequence
 
 import numpy as np
 
+from engine.choices import Choice
 from engine.allocator import PageAllocator
 from engine.device import resolve_device
 from engine.errors import OutOfCapacity
@@ -32,18 +32,12 @@ from engine.radix_tree import TOKEN_DTYPE, Node, RadixTree
 from engine.transfer import OpKind, TransferEngine, TransferOp
 
 
-class WritePolicy(str, enum.Enum):
+class WritePolicy(Choice):
+    __what__ = "write policy"
+
     WRITE_THROUGH = "write_through"
     WRITE_THROUGH_SELECTIVE = "write_through_selective"
     WRITE_BACK = "write_back"
-
-    @classmethod
-    def parse(cls, value: "str | WritePolicy") -> "WritePolicy":
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"unknown write policy {value!r}; choose one of "
-                             f"{[m.value for m in cls]}") from None
 
 
 @dataclasses.dataclass
@@ -528,86 +522,79 @@ class HiCache(StorageOps):
         else:
             self._heap_l2 = heap
 
-    def evict_l1(self, n_pages: int) -> int:
-        """Free at least ``n_pages`` L1 pages if possible (leaf-first, policy order)."""
-        p = self.page_size
+    def _evict(self, tier: str, n_pages: int, evict_one) -> int:
+        """The leaf-first loop both tiers share: pop candidates in policy order, skip stale
+        heap entries, let ``evict_one`` free a node's pages (False: it could not), and record
+        one ``evict`` event."""
+        is_candidate = self._l1_candidate if tier == "l1" else self._l2_candidate
+        heap_name = "_heap_l1" if tier == "l1" else "_heap_l2"
+        key = self.policy.key
         freed = 0
         eligible: list[int] = []
         evicted: list[int] = []
         rebuilt = False
-        key = self.policy.key
         while freed < n_pages:
-            if not self._heap_l1:
+            heap = getattr(self, heap_name)
+            if not heap:
                 if rebuilt:
                     break
-                self._rebuild_heap("l1")
+                self._rebuild_heap(tier)
                 rebuilt = True
                 continue
-            k, _, node = heapq.heappop(self._heap_l1)
-            if not self._l1_candidate(node) or key(node) != k:
+            k, _, node = heapq.heappop(heap)
+            if not is_candidate(node) or key(node) != k:
                 continue
             eligible.append(node.id)
-            if node.l2 is None and node.backing_up is not None:
-                self._drain(OpKind.BACKUP, until=node.backing_up[0])
-            if node.l2 is None and self.l2_alloc is not None and (
-                    self.write_policy is WritePolicy.WRITE_BACK or node.children):
-                self._backup([node], sync=True)
-            parent = node.parent
-            if node.l2 is not None:
-                self.l1_alloc.free(node.l1)
-                node.l1 = None
-                self._push_candidate(node)
-            elif not node.children:
-                self.l1_alloc.free(node.l1)
-                node.l1 = None
-                self.tree.remove_leaf(node)
-            else:
+            pages = len(node.tokens) // self.page_size
+            if not evict_one(node):
                 continue
-            parent.n_l1_children -= 1
-            self._push_candidate(parent)
             evicted.append(node.id)
-            freed += len(node.tokens) // p
-        if len(self._heap_l1) > 4 * self.tree.num_nodes + 4096:
-            self._rebuild_heap("l1")
+            freed += pages
+        if len(getattr(self, heap_name)) > 4 * self.tree.num_nodes + 4096:
+            self._rebuild_heap(tier)
         if eligible:
-            self.events.emit("evict", tier="l1", eligible=eligible, evicted=evicted)
-            self.counters["evicted_l1_pages"] += freed
+            self.events.emit("evict", tier=tier, eligible=eligible, evicted=evicted)
+            self.counters[f"evicted_{tier}_pages"] += freed
         return freed
 
+    def evict_l1(self, n_pages: int) -> int:
+        """Free at least ``n_pages`` L1 pages if possible (leaf-first, policy order)."""
+        return self._evict("l1", n_pages, self._evict_l1_node)
+
+    def _evict_l1_node(self, node: Node) -> bool:
+        if node.l2 is None and node.backing_up is not None:
+            self._drain(OpKind.BACKUP, until=node.backing_up[0])
+        if node.l2 is None and self.l2_alloc is not None and (
+                self.write_policy is WritePolicy.WRITE_BACK or node.children):
+            self._backup([node], sync=True)
+        parent = node.parent
+        if node.l2 is not None:            # backed up: the node stays, L2-only
+            self.l1_alloc.free(node.l1)
+            node.l1 = None
+            self._push_candidate(node)
+        elif not node.children:            # nowhere else: the node leaves the tree
+            self.l1_alloc.free(node.l1)
+            node.l1 = None
+            self.tree.remove_leaf(node)
+        else:
+            return False
+        parent.n_l1_children -= 1
+        self._push_candidate(parent)
+        return True
+
     def evict_l2(self, n_pages: int) -> int:
-        p = self.page_size
-        freed = 0
-        eligible: list[int] = []
-        evicted: list[int] = []
-        rebuilt = False
-        key = self.policy.key
-        while freed < n_pages:
-            if not self._heap_l2:
-                if rebuilt:
-                    break
-                self._rebuild_heap("l2")
-                rebuilt = True
-                continue
-            k, _, node = heapq.heappop(self._heap_l2)
-            if not self._l2_candidate(node) or key(node) != k:
-                continue
-            eligible.append(node.id)
-            parent = node.parent
-            if self.l3 is not None and node.l3 < len(node.tokens) // p:
-                self._l3_put(node, sync=True)
-            self.l2_alloc.free(node.l2)
-            node.l2 = None
-            if node.l1 is None:
-                self.tree.remove_leaf(node)
-                self._push_candidate(parent)
-            evicted.append(node.id)
-            freed += len(node.tokens) // p
-        if len(self._heap_l2) > 4 * self.tree.num_nodes + 4096:
-            self._rebuild_heap("l2")
-        if eligible:
-            self.events.emit("evict", tier="l2", eligible=eligible, evicted=evicted)
-            self.counters["evicted_l2_pages"] += freed
-        return freed
+        return self._evict("l2", n_pages, self._evict_l2_node)
+
+    def _evict_l2_node(self, node: Node) -> bool:
+        if self.l3 is not None and node.l3 < len(node.tokens) // self.page_size:
+            self._l3_put(node, sync=True)
+        parent = node.parent
+        self.l2_alloc.free(node.l2)
+        node.l2 = None
+        if node.l1 is None:                # an L2-only leaf leaves the tree
+            self.tree.remove_leaf(node)
+            self._push_candidate(parent)
+        return True
 
     def flush(self) -> None:
         """Drop every unlocked page in every tier (locked KV stays)."""

@@ -15,7 +15,6 @@ requests), ``wait_complete`` (wait for the whole fetch), ``timeout`` (wait up to
 from __future__ import annotations
 
 import collections
-import enum
 import logging
 import queue
 import threading
@@ -23,23 +22,18 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from engine.choices import Choice
 from engine.hashing import PageHash, namespace_seed, page_hashes
 
 log = logging.getLogger("hicache.l3")
 
 
-class PrefetchPolicy(str, enum.Enum):
+class PrefetchPolicy(Choice):
+    __what__ = "prefetch policy"
+
     BEST_EFFORT = "best_effort"
     WAIT_COMPLETE = "wait_complete"
     TIMEOUT = "timeout"
-
-    @classmethod
-    def parse(cls, value: "str | PrefetchPolicy") -> "PrefetchPolicy":
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"unknown prefetch policy {value!r}; choose one of "
-                             f"{[m.value for m in cls]}") from None
 
 
 def chain_hashes(tokens: np.ndarray, page_size: int, namespace: str | None,

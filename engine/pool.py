@@ -14,26 +14,20 @@ tree's. Every accessor works on page ids.
 
 from __future__ import annotations
 
-import enum
 
 import numpy as np
 import torch
 
+from engine.choices import Choice
 from engine.allocator import PageAllocator
 from engine.layout import KVLayout
 
 
-class HostLayout(str, enum.Enum):
+class HostLayout(Choice):
+    __what__ = "host layout"
+
     LAYER_FIRST = "layer_first"
     PAGE_FIRST = "page_first"
-
-    @classmethod
-    def parse(cls, value: "str | HostLayout") -> "HostLayout":
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(
-                f"unknown host layout {value!r}; choose one of {[m.value for m in cls]}") from None
 
 
 def _index(pages: np.ndarray, device: torch.device) -> torch.Tensor:

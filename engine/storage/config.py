@@ -14,29 +14,23 @@ A Mooncake config file in Mooncake's own format (top-level ``master_server_addre
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
 import os
 import re
 from typing import Any
 
+from engine.choices import Choice
 from engine.errors import InputError
 
 MAX_CONFIG_BYTES = 1 << 20
 
 
-class BackendKind(str, enum.Enum):
+class BackendKind(Choice):
+    __what__ = "storage backend"
+
     MEMORY = "memory"     # in-process, for tests
     FILE = "file"         # a directory, the embedded default
     MOONCAKE = "mooncake"  # a Mooncake Store cluster
-
-    @classmethod
-    def parse(cls, value: "str | BackendKind") -> "BackendKind":
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"unknown storage backend {value!r}; "
-                             f"choose one of {[m.value for m in cls]}") from None
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
