@@ -26,6 +26,7 @@ class RankRun:
     rank_log_dir: str | None = None
     online_every: int = 0                 # 0: no online consensus
     inject: str | None = None
+    dump_tree_dir: str | None = None      # each rank writes tree-rank{N}.snapshot there
 
 
 def _free_port() -> int:
@@ -60,7 +61,8 @@ def _rank_main(rank: int, run: RankRun, port: int, out: Any) -> None:
         records = read_trace(run.trace, run.config.limit)
         step_hook = (lambda i: online.step_done(i - 1)) if online is not None else None
         try:
-            res, _ = replay(records, run.config, events=log, progress=step_hook)
+            res, cache = replay(records, run.config, events=log, progress=step_hook,
+                                keep_cache=run.dump_tree_dir is not None)
             if online is not None:
                 online.check()
             result["result"] = res.to_dict()
@@ -68,6 +70,14 @@ def _rank_main(rank: int, run: RankRun, port: int, out: Any) -> None:
         except RankConsensusError as exc:
             result["consensus_error"] = str(exc)
             result["log_dir"] = exc.log_dir
+        if run.dump_tree_dir and "result" in result:
+            from engine.snapshot import snapshot_filename, write_snapshot
+
+            os.makedirs(run.dump_tree_dir, exist_ok=True)
+            path = os.path.join(run.dump_tree_dir, snapshot_filename(rank))
+            write_snapshot(path, cache, {"source": "bench replay --ranks", "rank": info,
+                                         "trace": run.trace})
+            result["tree_snapshot"] = path
         if run.rank_log_dir and "consensus_error" not in result:
             os.makedirs(run.rank_log_dir, exist_ok=True)
             path = os.path.join(run.rank_log_dir, f"rank{rank}.ranklog")

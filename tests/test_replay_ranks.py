@@ -40,3 +40,14 @@ def test_injected_divergence_stops_both_ranks(tmp_path):
 def test_consensus_needs_a_log_dir():
     r = runner.invoke(app, BASE)
     assert r.exit_code == 2 and "--rank-log-dir" in r.output
+
+
+def test_one_snapshot_per_rank_and_ranks_agree(tmp_path):
+    r = runner.invoke(app, ["bench", "replay", DATA, "--l1-tokens", "200000", "--limit", "60",
+                            "--ranks", "2", "--dump-tree", str(tmp_path), "--format", "json"])
+    assert r.exit_code == 0, r.output
+    snaps = json.loads(r.stdout)["tree_snapshots"]
+    assert [os.path.basename(p) for p in snaps] == ["tree-rank0.snapshot", "tree-rank1.snapshot"]
+    d = runner.invoke(app, ["inspect", snaps[0], "--diff", snaps[1], "--expect-same",
+                            "--format", "json"])
+    assert d.exit_code == 0, d.output

@@ -65,7 +65,8 @@ def register(bench_app: typer.Typer) -> None:
         plot: Optional[Path] = typer.Option(None, "--plot", help="With --sweep: write a PNG of "
                                             "hit rate vs capacity."),
         dump_tree: Optional[Path] = typer.Option(None, "--dump-tree", help="Write a tree "
-                                                 "snapshot (for `hicache inspect`) at the end."),
+                                                 "snapshot (for `hicache inspect`) at the end; "
+                                                 "with --ranks, a directory with one per rank."),
         rank_log_dir: Optional[Path] = typer.Option(None, "--rank-log-dir", help="Write this "
                                                     "rank's event log (for consensus-check)."),
         rank: int = typer.Option(0, "--rank", help="Rank number written into the rank log "
@@ -116,13 +117,13 @@ def register(bench_app: typer.Typer) -> None:
         if ranks > 1 or enable_rank_consensus:
             _positive("--ranks", ranks, allow_zero=False)
             _positive("--consensus-every", consensus_every, allow_zero=False)
-            if sweep or dump_tree is not None:
-                fail("--ranks does not combine with --sweep or --dump-tree", code=2)
+            if sweep:
+                fail("--ranks does not combine with --sweep", code=2)
             _multi_rank(trace, ranks, ReplayConfig(
                 page_size=page_size, l1_tokens=l1_tokens, l2_tokens=l2_tokens,
                 l3_tokens=l3_tokens, policy=policy, write_policy=write_policy, limit=limit),
                 rank_log_dir, consensus_every if enable_rank_consensus else 0,
-                inject_divergence, fmt)
+                inject_divergence, fmt, dump_tree)
             return
 
         records = read_trace(str(trace), limit)
@@ -213,7 +214,7 @@ def register(bench_app: typer.Typer) -> None:
 
 
 def _multi_rank(trace: Path, ranks: int, cfg, rank_log_dir: Optional[Path], every: int,
-                inject: Optional[str], fmt: OutputFormat) -> None:
+                inject: Optional[str], fmt: OutputFormat, dump_dir: Optional[Path]) -> None:
     from engine.divergence import parse_spec
     from engine.loadgen.trace import read_trace
     from engine.replay_ranks import RankRun, replay_ranks
@@ -227,7 +228,8 @@ def _multi_rank(trace: Path, ranks: int, cfg, rank_log_dir: Optional[Path], ever
              code=2)
     stderr.print(f"replaying on {ranks} ranks (gloo){' with online consensus' if every else ''}")
     results = replay_ranks(RankRun(str(trace), cfg, ranks,
-                                   str(rank_log_dir) if rank_log_dir else None, every, inject))
+                                   str(rank_log_dir) if rank_log_dir else None, every, inject,
+                                   str(dump_dir) if dump_dir else None))
     errors = [r for r in results if "error" in r]
     if errors:
         fail(f"rank {errors[0]['rank']} failed: {errors[0]['error']}", code=EXIT_ERROR)
@@ -243,6 +245,8 @@ def _multi_rank(trace: Path, ranks: int, cfg, rank_log_dir: Optional[Path], ever
         out["identical_hit_rates"] = len({r["result"]["token_hit_rate"] for r in results}) == 1
         if rank_log_dir is not None:
             out["rank_logs"] = [r["rank_log"] for r in results]
+        if dump_dir is not None:
+            out["tree_snapshots"] = [r["tree_snapshot"] for r in results]
     if fmt is OutputFormat.json:
         emit_json(out)
     elif diverged:

@@ -105,7 +105,8 @@ def register(bench_app: typer.Typer) -> None:
             "e.g. 'hit_length@rank=0,step=5'."),
         dump_tree_on_exit: Optional[Path] = typer.Option(
             None, "--dump-tree-on-exit", help="Write a radix-tree snapshot (for `hicache "
-                                              "inspect`) when the server stops."),
+                                              "inspect`) when the server stops: a file, or a "
+                                              "directory (gets tree-rank0.snapshot)."),
         log_level: LogLevel = typer.Option(LogLevel.warning, "--log-level",
                                            help="Server log verbosity (stderr)."),
         fmt: OutputFormat = typer.Option(OutputFormat.human, "--format",
@@ -156,9 +157,15 @@ def register(bench_app: typer.Typer) -> None:
             if dump_tree_on_exit is not None:
                 from engine.snapshot import write_snapshot
 
-                n = write_snapshot(dump_tree_on_exit, engine.cache,
+                from engine.snapshot import snapshot_filename
+
+                path = dump_tree_on_exit
+                if path.is_dir() or str(path).endswith(os.sep):
+                    path.mkdir(parents=True, exist_ok=True)
+                    path = path / snapshot_filename(engine.cache.events.rank.rank)
+                n = write_snapshot(path, engine.cache,
                                    {"model": engine.model_name, "source": "bench serve"})
-                stderr.print(f"wrote {dump_tree_on_exit} ({n} nodes)")
+                stderr.print(f"wrote {path} ({n} nodes)")
 
         try:
             serve(cfg, on_ready=ready, on_exit=on_exit)
