@@ -12,8 +12,8 @@ import typer  # noqa: E402
 
 app = typer.Typer(
     name="hicache",
-    help="Hierarchical KV cache toolkit: benchmark, inspect radix trees, check rank logs, "
-         "convert stored KV layouts.",
+    help="Hierarchical KV cache toolkit: benchmark the cache (bench), inspect radix-tree "
+         "snapshots (inspect), check rank logs (consensus-check).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -28,6 +28,23 @@ from hicache_cli import cmd_consensus  # noqa: E402
 cmd_bench.register(app)
 cmd_inspect.register(app)
 cmd_consensus.register(app)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"hicache {version('hicache')}")
+        except PackageNotFoundError:
+            typer.echo("hicache (not installed)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    """Hierarchical KV cache toolkit."""
 
 
 def main() -> None:
