@@ -22,8 +22,9 @@ class PageAllocator:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.name = name
-        # strict: also reject duplicate pages inside one free() (an O(n log n) check the
-        # metadata-only replay skips; the invariant checker catches double ownership anyway).
+        # strict: reject double frees, foreign pages and duplicates inside one free() (checks
+        # the metadata-only replay skips on its hot path; the invariant checker catches double
+        # ownership anyway).
         self.strict = strict
         self.num_pages = num_pages
         self.page_size = page_size
@@ -59,10 +60,13 @@ class PageAllocator:
         pages = np.asarray(pages, dtype=np.int64)
         if pages.size == 0:
             return
-        assert self._allocated[pages].all(), (
-            f"{self.name}: double free or foreign pages {pages[~self._allocated[pages]][:8].tolist()}")
-        if self.strict and pages.size > 1:
-            assert np.unique(pages).size == pages.size, f"{self.name}: duplicate pages in one free"
+        if self.strict:
+            assert self._allocated[pages].all(), (
+                f"{self.name}: double free or foreign pages "
+                f"{pages[~self._allocated[pages]][:8].tolist()}")
+            if pages.size > 1:
+                assert np.unique(pages).size == pages.size, \
+                    f"{self.name}: duplicate pages in one free"
         self._allocated[pages] = False
         end = self._n_free + pages.size
         self._free[self._n_free:end] = pages[::-1]

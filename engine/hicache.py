@@ -315,11 +315,14 @@ class HiCache(StorageOps):
     # ------------------------------------------------------------------ insert
     def insert(self, tokens: Sequence[int] | np.ndarray, pages: np.ndarray,
                namespace: str | None = None, rid: Any = None, priority: int = 0,
-               prefix_hashes: Sequence = ()) -> Node | None:
+               prefix_hashes: Sequence = (), after: "LockReceipt | None" = None
+               ) -> Node | None:
         """Take ownership of ``pages`` (one L1 page per full page of ``tokens``).
 
         ``prefix_hashes`` (``MatchResult.hashes``) saves rehashing the matched prefix when an
-        L3 tier needs page hashes."""
+        L3 tier needs page hashes. ``after``: the still-held receipt of this request's match —
+        its node is a prefix of ``tokens`` and cannot have left the tree, so the walk resumes
+        there instead of at the root."""
         p = self.page_size
         toks = as_tokens(tokens)
         n_full = len(toks) // p
@@ -328,7 +331,10 @@ class HiCache(StorageOps):
             raise ValueError(f"insert needs {n_full} pages for {len(toks)} tokens, "
                              f"got {len(pages)}")
         toks = toks[:n_full * p]
-        path, pos = self.tree.walk(toks, namespace)
+        start = after.node if after is not None else None
+        if start is not None:
+            assert start.lock_ref > 0 and start.namespace == namespace, "stale insert hint"
+        path, pos = self.tree.walk(toks, namespace, start=start)
         tick = self.tree.tick
         off = 0
         revived: list[Node] = []

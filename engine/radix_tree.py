@@ -62,10 +62,10 @@ def _common_len(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     if n == 0:
         return 0
-    a, b = a[:n], b[:n]
-    if np.array_equal(a, b):
+    eq = a[:n] == b[:n]
+    if eq.all():
         return n
-    return int(np.argmax(a != b))
+    return int(eq.argmin())
 
 
 class RadixTree:
@@ -156,20 +156,32 @@ class RadixTree:
         self.num_nodes -= 1
 
     # -- lookup -----------------------------------------------------------------------------
-    def walk(self, tokens: np.ndarray, namespace: str | None, split: bool = True
-             ) -> tuple[list[Node], int]:
+    def walk(self, tokens: np.ndarray, namespace: str | None, split: bool = True,
+             start: Node | None = None) -> tuple[list[Node], int]:
         """Longest page-aligned prefix of ``tokens`` present in the tree.
 
         Returns the path (root excluded) and the matched length. With ``split`` a partially
-        matched edge is split so that the path ends exactly at the matched length.
+        matched edge is split so that the path ends exactly at the matched length. ``start``:
+        a node known to hold a prefix of ``tokens`` (a locked node of an earlier match) — the
+        walk resumes below it instead of from the root.
         """
         p = self.page_size
-        node = self.roots.get(namespace)
         path: list[Node] = []
         self.split_lower = None
-        if node is None:
-            return path, 0
-        pos, n = 0, len(tokens) - len(tokens) % p
+        if start is not None and start.parent is not None:
+            node = start
+            while node.parent is not None:
+                path.append(node)
+                node = node.parent
+            path.reverse()
+            node = start
+            pos = sum(len(x.tokens) for x in path)
+        else:
+            node = self.roots.get(namespace)
+            if node is None:
+                return path, 0
+            pos = 0
+        n = len(tokens) - len(tokens) % p
         while pos < n:
             child = node.children.get(tokens[pos:pos + p].tobytes())
             if child is None:

@@ -145,7 +145,8 @@ def replay(records: Iterable, cfg: ReplayConfig, *,
         try:
             new = cache.alloc(n_full - have) if n_full > have else empty
             pages = np.concatenate([m.l1_pages, new]) if have else new
-            cache.insert(toks[:n_full * p], pages, rid=i, prefix_hashes=m.hashes)
+            cache.insert(toks[:n_full * p], pages, rid=i, prefix_hashes=m.hashes,
+                         after=receipt)
         except OutOfCapacity:
             uncacheable += 1
         cache.unlock(receipt)

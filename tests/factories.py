@@ -67,7 +67,7 @@ def serve(cache: HiCache, tokens, namespace=None, rid=None, check_kv: bool = Tru
                     got = cache.l1.buf[layer, kind, torch.as_tensor(slots)].cpu()
                     want = kv_value(toks[pos], pos, layer, kind)
                     assert torch.equal(got, want), f"wrong KV restored at layer {layer}"
-    cache.insert(toks[:n_full * p], pages, namespace=namespace, rid=rid)
+    cache.insert(toks[:n_full * p], pages, namespace=namespace, rid=rid, after=receipt)
     cache.unlock(receipt)
     cache.poll()
     return m

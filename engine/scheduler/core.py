@@ -463,7 +463,7 @@ class Scheduler:
             n_full = r.kv_len // p
             seq = np.concatenate([r.ids, np.asarray(r.out, dtype=np.int64)])[:n_full * p]
             cache.insert(seq, r.pages[:n_full], r.namespace, rid=r.rid, priority=r.priority,
-                         prefix_hashes=r.hashes)
+                         prefix_hashes=r.hashes, after=r.receipt)
             cache.free(r.pages[n_full:])
         else:
             cache.free(own)
