@@ -3,7 +3,6 @@
 The same code runs on CPU in the other tests; these check the CUDA specifics where a GPU exists.
 """
 
-import numpy as np
 import pytest
 import torch
 

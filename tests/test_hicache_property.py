@@ -1,6 +1,5 @@
 """Random operation sequences against a simple reference model, invariants after each step."""
 
-import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

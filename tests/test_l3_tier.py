@@ -1,6 +1,5 @@
 """The facade's L3 tier: write-through to storage, prefetch into L2, load-back, sharing, faults."""
 
-import numpy as np
 import pytest
 
 from checkers.invariants import assert_healthy
