@@ -269,7 +269,7 @@ def _read(f: IO[bytes], name: str, max_nodes: int) -> SnapshotData:
     try:
         header = next(unpacker)
     except StopIteration:
-        raise _err(name, f"truncated snapshot (incomplete header)") from None
+        raise _err(name, "truncated snapshot (incomplete header)") from None
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise _err(name, f"not a {FORMAT_NAME} ({_why(exc)})") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
@@ -468,12 +468,12 @@ class _Chunk:
 # --------------------------------------------------------------------------------- checks
 def _check_header(h: dict, name: str) -> None:
     if not isinstance(h, dict):
-        raise _err(name, f"header is not a map")
+        raise _err(name, "header is not a map")
     if h.get("format") != FORMAT_NAME:
         raise _err(name, f"not a {FORMAT_NAME} (format {h.get('format')!r})")
     v = h.get("version")
     if type(v) is not int:
-        raise _err(name, f"header version is missing or not an integer")
+        raise _err(name, "header version is missing or not an integer")
     if v > VERSION:
         raise _err(name, f"snapshot version {v} is newer than this reader "
                          f"(supports up to {VERSION}); upgrade hicache")
@@ -491,17 +491,17 @@ def _check_header(h: dict, name: str) -> None:
         raise _err(name, f"header page_size must be an integer in [1, 2**20], "
                          f"got {ps!r}")
     if type(h["created_at"]) not in (int, float):
-        raise _err(name, f"header created_at must be a number (unix seconds)")
+        raise _err(name, "header created_at must be a number (unix seconds)")
     model = h["model"]
     if not isinstance(model, dict) or set(model) - MODEL_FIELDS:
         raise _err(name, f"header model must be a map with keys "
                          f"{sorted(MODEL_FIELDS)}")
     if not isinstance(model.get("name"), (str, type(None))) or \
             not isinstance(model.get("layout"), (dict, type(None))):
-        raise _err(name, f"header model.name must be a string, model.layout a map")
+        raise _err(name, "header model.name must be a string, model.layout a map")
     rank = h["rank"]
     if not isinstance(rank, dict) or any(type(x) is not int or x < 0 for x in rank.values()):
-        raise _err(name, f"header rank must map coordinates to non-negative "
+        raise _err(name, "header rank must map coordinates to non-negative "
                          f"integers")
     cap = h["capacity"]
     if not isinstance(cap, dict) or set(cap) - set(TIERS) or any(
@@ -517,7 +517,7 @@ def _check_header(h: dict, name: str) -> None:
                 f"missing node field(s) {missing}" if missing else "node fields out of order")
         raise _err(name, f"{what} for a version {v} snapshot")
     if "meta" in h and not isinstance(h["meta"], dict):
-        raise _err(name, f"header meta must be a map")
+        raise _err(name, "header meta must be a map")
 
 
 def _check_nodes(c: NodeColumns, name: str) -> np.ndarray:
@@ -555,7 +555,7 @@ def _check_nodes(c: NodeColumns, name: str) -> np.ndarray:
         ns = c.namespaces[int(vals[np.argmax(counts > 1)])]
         raise _err(name, f"two roots for namespace {ns!r}")
     if np.any((c.l3 < 0)) or np.any(c.inflight < 0):
-        raise _err(name, f"node field 'l3'/'inflight' must be >= 0")
+        raise _err(name, "node field 'l3'/'inflight' must be >= 0")
     parent_index = np.full(n, -1, dtype=np.int64)
     parent_index[child_idx] = par_idx
     return parent_index
