@@ -40,6 +40,8 @@ MAX_LAYOUT_BYTES = 4096
 
 _PREFIX = struct.Struct("<4sHHQQ32s")
 _U64 = struct.Struct("<Q")
+_TAIL = struct.Struct("<QQ32s")      # payload_len, payload checksum, page hash: per object
+_TAIL_AT = 8
 _CHECKSUM = xxhash.xxh3_64_intdigest
 
 
@@ -146,20 +148,37 @@ class KVObjectCodec:
         if len(self.layout_json) > MAX_LAYOUT_BYTES:
             raise ValueError(f"layout description too long ({len(self.layout_json)} bytes)")
         self.header_len = header_len_for(len(self.layout_json))
-        self._pad = bytes(self.header_len - _U64.size - _PREFIX.size - len(self.layout_json))
+        self._template_of: bytes | None = None
+        self._template = b""
 
     def object_size(self, payload_len: int) -> int:
         return self.header_len + payload_len
 
     def encode_header(self, page_hash: bytes, payload) -> bytes:
+        out = bytearray(self.header_len)
+        self.encode_header_into(out, page_hash, payload)
+        return bytes(out)
+
+    def encode_header_into(self, out, page_hash: bytes, payload) -> None:
+        """Write the header for ``payload`` into ``out`` (a writable buffer of exactly
+        ``header_len`` bytes, e.g. a row of a registered arena): no allocation per object."""
         if len(page_hash) != 32:
             raise ValueError(f"page hash must be 32 bytes, got {len(page_hash)}")
-        mv = memoryview(payload).cast("B")
-        head = b"".join((
-            _PREFIX.pack(MAGIC, VERSION, len(self.layout_json), len(mv), _CHECKSUM(mv),
-                         page_hash),
-            self.layout_json, self._pad))
-        return head + _U64.pack(_CHECKSUM(head))
+        mv = memoryview(out).cast("B")
+        if len(mv) != self.header_len:
+            raise ValueError(f"header buffer is {len(mv)} bytes, not {self.header_len}")
+        pv = memoryview(payload).cast("B")
+        end = self.header_len - _U64.size
+        if self._template_of is not self.layout_json:
+            # Everything but payload length, checksums and page hash is the same for every
+            # object of this layout: built once, copied per object.
+            lj = self.layout_json
+            self._template = (_PREFIX.pack(MAGIC, VERSION, len(lj), 0, 0, bytes(32)) + lj
+                              + bytes(end - _PREFIX.size - len(lj)))
+            self._template_of = lj
+        mv[:end] = self._template
+        _TAIL.pack_into(mv, _TAIL_AT, len(pv), _CHECKSUM(pv), page_hash)
+        _U64.pack_into(mv, end, _CHECKSUM(mv[:end]))
 
     def encode(self, page_hash: bytes, payload) -> bytes:
         """Header and payload as one bytes object (tests, tools; the hot path writes parts)."""

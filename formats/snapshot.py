@@ -502,7 +502,7 @@ def _check_header(h: dict, name: str) -> None:
     rank = h["rank"]
     if not isinstance(rank, dict) or any(type(x) is not int or x < 0 for x in rank.values()):
         raise _err(name, "header rank must map coordinates to non-negative "
-                         f"integers")
+                         "integers")
     cap = h["capacity"]
     if not isinstance(cap, dict) or set(cap) - set(TIERS) or any(
             x is not None and (type(x) is not int or x < 0) for x in cap.values()):

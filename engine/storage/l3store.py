@@ -48,6 +48,7 @@ from formats.kvobject import CorruptKVObject, KVLayoutMismatch, KVObjectCodec
 log = logging.getLogger("hicache.storage")
 
 EXISTS_BATCH = 256
+PUT_WHOLE_BATCH = bool(int(os.environ.get('PWB', '1')))
 _WARN_KEEP = 1024
 
 
@@ -73,6 +74,7 @@ class L3Store:
         # Objects per backend call: a whole batch for a network store; one at a time for local
         # backends, so each object is checksummed while it is still in cache.
         self.io_batch = self.batch if getattr(backend, "prefers_batches", True) else 1
+        self.put_batch = self.batch if PUT_WHOLE_BATCH else self.io_batch
         # Header arena: rows [0, batch) for the chunk being moved, [batch, 2*batch) for the
         # chunk being encoded meanwhile (puts are pipelined, see put_pages).
         self._headers = np.zeros((2 * self.batch, self.codec.header_len), dtype=np.uint8)
@@ -147,17 +149,24 @@ class L3Store:
         stored = 0
         with self._lock:
             self._bind(host_pool)
-            chunks: list[tuple[list[str], list, list]] = []   # keys, hashes, pages to write
-            for s in range(0, len(hashes), self.batch):
-                hs, ps = hashes[s:s + self.batch], host_pages[s:s + self.batch]
+            # One existence query per EXISTS_BATCH pages (not one per transfer batch: for a
+            # network store each is a round trip), then the missing pages in transfer batches.
+            todo_k: list[str] = []
+            todo_h: list = []
+            todo_p: list[int] = []
+            for s in range(0, len(hashes), EXISTS_BATCH):
+                hs = hashes[s:s + EXISTS_BATCH]
                 keys = self.keys(hs)
-                todo = [i for i, p in enumerate(self.backend.exists(keys)) if not p]
-                self.counters.add("put_skipped", len(keys) - len(todo))
-                stored += len(keys) - len(todo)
-                for t in range(0, len(todo), self.io_batch):
-                    sub = todo[t:t + self.io_batch]
-                    chunks.append(([keys[i] for i in sub], [hs[i] for i in sub],
-                                   [int(ps[i]) for i in sub]))
+                for i, there in enumerate(self.backend.exists(keys)):
+                    if not there:
+                        todo_k.append(keys[i])
+                        todo_h.append(hs[i])
+                        todo_p.append(int(host_pages[s + i]))
+            stored = len(hashes) - len(todo_k)
+            self.counters.add("put_skipped", stored)
+            step = self.put_batch
+            chunks = [(todo_k[t:t + step], todo_h[t:t + step], todo_p[t:t + step])
+                      for t in range(0, len(todo_k), step)]
             if not chunks:
                 return stored
             pool = host_pool
@@ -193,7 +202,7 @@ class L3Store:
             else:
                 payload = _u8(pool.get_page(p).contiguous())
             row = self._headers[base + slot]
-            row[:] = np.frombuffer(self.codec.encode_header(h, payload), dtype=np.uint8)
+            self.codec.encode_header_into(row, h, payload)
             parts.append([row, payload])
         return parts
 
