@@ -29,6 +29,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from engine.snapshot import load_snapshot  # noqa: E402
+from engine.snapshot_views import diff, hot, summary, top  # noqa: E402
 from formats import snapshot as fmt  # noqa: E402
 
 PAGE = 16
@@ -102,17 +103,17 @@ def main() -> None:
     snap = load_snapshot(path)
     t_load = time.perf_counter() - t0
     t0 = time.perf_counter()
-    s = snap.summary()
+    s = summary(snap)
     t_sum = time.perf_counter() - t0
     t0 = time.perf_counter()
-    snap.top(depth=3, max_children=8)
+    top(snap, depth=3, max_children=8)
     t_tree = time.perf_counter() - t0
     t0 = time.perf_counter()
-    snap.hot(10)
+    hot(snap, 10)
     t_hot = time.perf_counter() - t0
     t0 = time.perf_counter()
     other = load_snapshot(path)
-    same = snap.diff(other)["same"]
+    same = diff(snap, other)["same"]
     t_diff = time.perf_counter() - t0 - t_load  # the second load counted as the first
     assert same
     t0 = time.perf_counter()

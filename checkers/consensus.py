@@ -2,9 +2,10 @@
 
 Ranks with the same ``dp_rank`` form a group and must record identical event streams (by
 ``seq``, ignoring ``local_*`` fields). For each group the checker walks all ranks' logs in
-lock-step, stops at the first place where they differ, classifies it (formats.ranklog.classify),
-names the minority ranks, the differing fields and a few events of context, then resynchronises
-every rank on the next ``step`` and keeps looking, up to ``max_divergences``.
+lock-step, stops at the first place where they differ, classifies it
+(formats.ranklog_compare.classify), names the minority ranks, the differing fields and a few
+events of context, then resynchronises every rank on the next ``step`` and keeps looking, up to
+``max_divergences``.
 
 Speed (≥ 1M events/s/core on msgpack logs) comes from never decoding most of the data: one
 rank of the group (the reference) is decoded a run of thousands of events at a time and
@@ -26,8 +27,8 @@ from typing import Any, Sequence
 
 from engine.errors import InputError
 from formats.errors import FormatError
-from formats.ranklog import (MISSING, SUFFIXES, Encoding, RankLogFile, Run, classify,
-                             compared_fields, differing_fields, event_problem)
+from formats.ranklog import SUFFIXES, Encoding, RankLogFile, Run, event_problem
+from formats.ranklog_compare import MISSING, classify, compared_fields, differing_fields
 
 DEFAULT_CHUNK = 8192
 DEFAULT_MAX_DIVERGENCES = 10

@@ -6,12 +6,12 @@ header ``{"format": "hicache-ranklog", "version": 1, "rank", "world_size", "dp_r
 "tp_size", "pp_rank", "pp_size", "cp_rank", "cp_size"}``; every later record is one event
 ``{"seq", "step", "kind", ...}``. Fields named ``local_*`` are rank-local and never compared.
 
-This module writes logs (:func:`write_ranklog`, :class:`RankLogWriter`), reads them with size
-limits (:class:`RankLogFile`: single records, fast runs of records, plain iteration), and holds
-the v1 rules that say which difference between two ranks' events falls in which category
-(:func:`classify`), shared by the offline checker and the online mode. Every problem with the
-input is a :class:`RankLogError` (a ``formats.errors.FormatError``) naming the file and the byte
-offset (msgpack) or line (JSON Lines).
+This module writes logs (:func:`write_ranklog`, :class:`RankLogWriter`) and reads them with
+size limits (:class:`RankLogFile`: single records, fast runs of records, plain iteration). The
+v1 rules that say which difference between two ranks' events falls in which category live in
+:mod:`formats.ranklog_compare`. Every problem with the input is a :class:`RankLogError` (a
+``formats.errors.FormatError``) naming the file and the byte offset (msgpack) or line (JSON
+Lines).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import mmap
 import os
 from itertools import islice, repeat
 from operator import itemgetter
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping
 
 import msgpack
 
@@ -61,34 +61,6 @@ class RankLogError(FormatError):
         self.where = where
         self.problem = problem
         super().__init__(f"{path}: {where}: {problem}" if where else f"{path}: {problem}")
-
-# -- divergence categories (v1) ------------------------------------------------------------------
-HIT_LENGTH = "hit_length_mismatch"
-RESTORE_COMPLETION = "restore_completion_mismatch"
-LOCK_ORDER = "lock_order_mismatch"
-EVICTION = "eviction_eligibility_divergence"
-PP_ACK = "pp_ack_consumption_mismatch"
-MISSING = "missing_events"
-EVENT = "event_mismatch"
-CATEGORIES = (HIT_LENGTH, RESTORE_COMPLETION, LOCK_ORDER, EVICTION, PP_ACK, MISSING, EVENT)
-
-# kind -> (category, the fields whose difference puts two same-kind events in that category)
-KIND_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "match": (HIT_LENGTH, ("l1_len", "l2_len", "l3_len")),
-    "restore_done": (RESTORE_COMPLETION, ("op", "step")),
-    "backup_done": (RESTORE_COMPLETION, ("op", "step")),
-    "lock": (LOCK_ORDER, ("rid", "node")),
-    "unlock": (LOCK_ORDER, ("rid", "node")),
-    "evict": (EVICTION, ("tier", "eligible", "evicted")),
-    "pp_ack": (PP_ACK, ("queue", "consumed", "acks")),
-}
-# Ranks recorded events of different kinds at the same place: the first family involved wins.
-MIXED_KIND_ORDER: tuple[tuple[str, frozenset[str]], ...] = (
-    (RESTORE_COMPLETION, frozenset({"restore_done", "backup_done"})),
-    (PP_ACK, frozenset({"pp_ack"})),
-    (LOCK_ORDER, frozenset({"lock", "unlock"})),
-    (EVICTION, frozenset({"evict"})),
-)
 
 
 class Encoding(str, enum.Enum):
@@ -263,11 +235,6 @@ def event_problem(obj: Any) -> str | None:
 
 def is_local(key: Any) -> bool:
     return type(key) is str and key.startswith(LOCAL_PREFIX)
-
-
-def compared_fields(event: Mapping[str, Any]) -> dict[str, Any]:
-    """The event without ``seq`` and ``local_*`` fields: what must agree across ranks."""
-    return {k: v for k, v in event.items() if k != "seq" and not is_local(k)}
 
 
 _ABSENT = object()
@@ -626,39 +593,3 @@ def read_ranklog(path: str | os.PathLike) -> tuple[dict[str, Any], list[dict[str
     with RankLogFile(path) as f:
         f.require_supported()
         return f.header, list(f.events())
-
-
-# -- comparing events of several ranks -------------------------------------------------------
-def differing_fields(events: Sequence[Mapping[str, Any] | None]) -> list[str]:
-    """Fields (in first-seen order) whose value is not the same in every present event."""
-    present = [e for e in events if e is not None]
-    keys: dict[str, None] = {}
-    for e in present:
-        keys.update(dict.fromkeys(e))
-    out = []
-    for k in keys:
-        vals = [e.get(k, _ABSENT) for e in present]
-        if any(v is _ABSENT for v in vals) or any(v != vals[0] for v in vals[1:]):
-            out.append(k)
-    return out
-
-
-def classify(events: Sequence[Mapping[str, Any] | None]) -> str:
-    """Category of a difference between ranks' events at the same place (v1 rules).
-
-    ``events`` holds one compared event per rank (no ``seq``, no ``local_*``), ``None`` for a rank
-    that has no event there (its log ended or skips it). See docs/rank-log-format.md.
-    """
-    present = [e for e in events if e is not None]
-    if len(present) < len(events):
-        return MISSING
-    kinds = {e.get("kind") for e in present}
-    if len(kinds) > 1:
-        for category, family in MIXED_KIND_ORDER:
-            if kinds & family:
-                return category
-        return EVENT
-    rule = KIND_RULES.get(next(iter(kinds)))  # type: ignore[arg-type]
-    if rule is not None and set(differing_fields(present)) & set(rule[1]):
-        return rule[0]
-    return EVENT

@@ -1,7 +1,7 @@
 """``hicache inspect SNAPSHOT…``: what a radix-tree snapshot holds, where, and why.
 
 Views: summary + tree (default), ``--hot``, ``--prefix``, ``--owners``, ``--diff``, ``--check``.
-The numbers come from :class:`engine.snapshot.SnapshotTree`; this module only renders them.
+The numbers come from :mod:`engine.snapshot_views`; this module only renders them.
 """
 
 from __future__ import annotations
@@ -364,6 +364,7 @@ def register(app: typer.Typer) -> None:
 
         Example: hicache inspect tree.snapshot --hot 10 --prefix 'Hello' --check
         """
+        from engine import snapshot_views as sv
         from engine.snapshot import load_snapshot
 
         if depth < 0 or max_children < 1:
@@ -384,15 +385,15 @@ def register(app: typer.Typer) -> None:
         trees = [load_snapshot(p) for p in snapshots]
 
         compute = {
-            "summary": lambda snap: snap.summary(),
-            "tree": lambda snap: snap.top(depth=depth, max_children=max_children),
-            "hot": lambda snap: snap.hot(hot),
-            "prefix": lambda snap: snap.match(prompt, namespace),
-            "owners": lambda snap: snap.owners(),
-            "diff": lambda snap: snap.diff(other),
+            "summary": sv.summary,
+            "tree": lambda snap: sv.top(snap, depth=depth, max_children=max_children),
+            "hot": lambda snap: sv.hot(snap, hot),
+            "prefix": lambda snap: sv.match(snap, prompt, namespace),
+            "owners": sv.owners,
+            "diff": lambda snap: sv.diff(snap, other),
             "check": check_result,
         }
-        results = [{"snapshot": snap.info(), **{v: compute[v](snap) for v in views}}
+        results = [{"snapshot": sv.info(snap), **{v: compute[v](snap) for v in views}}
                    for snap in trees]
 
         if fmt is InspectFormat.json:

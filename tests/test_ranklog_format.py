@@ -10,6 +10,7 @@ import pytest
 
 from engine.events import EventLog, RankInfo
 from formats import ranklog as rl
+from formats import ranklog_compare as rc
 from formats.errors import FormatError
 from formats.ranklog import RankLogFile, read_ranklog, write_ranklog
 
@@ -230,20 +231,20 @@ def test_run_reading_matches_record_reading(tmp_path):
 
 def test_classify_rules():
     m = {"kind": "match", "rid": "a", "l1_len": 16, "l2_len": 0, "l3_len": 0, "step": 1}
-    assert rl.classify([m, {**m, "l2_len": 16}]) == rl.HIT_LENGTH
-    assert rl.classify([m, {**m, "rid": "b"}]) == rl.EVENT
-    assert rl.classify([m, None]) == rl.MISSING
+    assert rc.classify([m, {**m, "l2_len": 16}]) == rc.HIT_LENGTH
+    assert rc.classify([m, {**m, "rid": "b"}]) == rc.EVENT
+    assert rc.classify([m, None]) == rc.MISSING
     done = {"kind": "restore_done", "op": 1, "step": 1}
-    assert rl.classify([done, {**done, "step": 2}]) == rl.RESTORE_COMPLETION
-    assert rl.classify([done, {"kind": "unlock", "rid": "a", "node": 1, "step": 1}]) == \
-        rl.RESTORE_COMPLETION
+    assert rc.classify([done, {**done, "step": 2}]) == rc.RESTORE_COMPLETION
+    assert rc.classify([done, {"kind": "unlock", "rid": "a", "node": 1, "step": 1}]) == \
+        rc.RESTORE_COMPLETION
     lock = {"kind": "lock", "rid": "a", "node": 1, "step": 0}
-    assert rl.classify([lock, {**lock, "kind": "unlock"}]) == rl.LOCK_ORDER
+    assert rc.classify([lock, {**lock, "kind": "unlock"}]) == rc.LOCK_ORDER
     ack = {"kind": "pp_ack", "queue": "load", "consumed": 1, "acks": [4], "step": 0}
-    assert rl.classify([ack, ack, {**ack, "acks": [6]}]) == rl.PP_ACK
-    assert rl.classify([ack, lock]) == rl.PP_ACK
+    assert rc.classify([ack, ack, {**ack, "acks": [6]}]) == rc.PP_ACK
+    assert rc.classify([ack, lock]) == rc.PP_ACK
     ev = {"kind": "evict", "tier": "l1", "eligible": [1], "evicted": [], "step": 0}
-    assert rl.classify([ev, {**ev, "evicted": [1]}]) == rl.EVICTION
-    assert rl.classify([{"kind": "x", "a": 1, "step": 0}, {"kind": "x", "a": 2, "step": 0}]) == \
-        rl.EVENT
-    assert rl.differing_fields([m, {**m, "l1_len": 0, "extra": 1}]) == ["l1_len", "extra"]
+    assert rc.classify([ev, {**ev, "evicted": [1]}]) == rc.EVICTION
+    assert rc.classify([{"kind": "x", "a": 1, "step": 0}, {"kind": "x", "a": 2, "step": 0}]) == \
+        rc.EVENT
+    assert rc.differing_fields([m, {**m, "l1_len": 0, "extra": 1}]) == ["l1_len", "extra"]

@@ -11,6 +11,7 @@ import pytest
 
 from checkers.invariants import check_tree
 from engine.errors import InputError
+from engine import snapshot_views as sv
 from engine.snapshot import load_snapshot, snapshot_bytes, snapshot_of, write_snapshot
 from formats import snapshot as fmt
 from formats.errors import FormatError
@@ -143,7 +144,7 @@ def test_round_trip_of_a_real_cache(tmp_path):
     before = load_snapshot(tmp_path / "before.snapshot")
     for prompt in prompts:  # the snapshot predicts what the live match returns
         want = cache.match(prompt)
-        got = before.match(prompt)
+        got = sv.match(before, prompt)
         assert (got["l1_len"], got["l2_len"], got["l3_len"]) == \
             (want.l1_len, want.l2_len, want.l3_len)
     m = cache.match(prompts[0], rid="held")
@@ -159,7 +160,7 @@ def test_round_trip_of_a_real_cache(tmp_path):
     assert h["model"] == {"name": "tiny", "layout": None}
     assert h["meta"]["source"] == "test" and h["meta"]["eviction_policy"] == "lru"
     assert h["rank"]["world_size"] == 1 and h["rank"]["cp_size"] == 1
-    s = loaded.summary()
+    s = sv.summary(loaded)
     assert s["nodes"] == cache.tree.num_nodes
     assert s["tiers"]["L1"]["tokens"] == cache.stats()["l1_used_tokens"]
     assert s["locked_tokens"] == m.l1_len + m.l2_len == 16
@@ -179,16 +180,16 @@ def test_snapshot_of_a_bare_tree_and_a_kv_cache(tmp_path):
     full = snapshot_of(cache)
     assert full.header["model"]["layout"]["num_layers"] == 2
     write_snapshot(tmp_path / "kv.snapshot", cache)
-    assert load_snapshot(tmp_path / "kv.snapshot").summary()["tokens"] == 12
+    assert sv.summary(load_snapshot(tmp_path / "kv.snapshot"))["tokens"] == 12
 
 
 def test_inflight_load_is_recorded_and_not_a_hit(tmp_path):
     recs = small_records()
     recs[1] = recs[1]._replace(inflight=fmt.INFLIGHT_LOAD)   # node 1 still loading into L1
     snap = load_snapshot(write_small(tmp_path / "a.snapshot", recs))
-    m = snap.match(np.concatenate([t(1, 12)]))
+    m = sv.match(snap, np.concatenate([t(1, 12)]))
     assert (m["l1_len"], m["l2_len"]) == (0, 12)
-    assert snap.summary()["loading_tokens"] == 8
+    assert sv.summary(snap)["loading_tokens"] == 8
 
 
 # ------------------------------------------------------------------------- bad input
@@ -289,7 +290,7 @@ def test_broken_tree_still_loads_for_the_checker(tmp_path):
 
 # ------------------------------------------------------------------------- diff internals
 def _diff_counts(a, b) -> tuple:
-    d = a.diff(b)
+    d = sv.diff(a, b)
     return (d["common"]["pages"], d["only_a"]["pages"], d["only_b"]["pages"],
             [(c["from"], c["to"], c["pages"]) for c in d["tier_changes"]])
 
@@ -322,4 +323,4 @@ def test_diff_with_odd_page_size_and_split_edges(tmp_path):
     fmt.write_snapshot(tmp_path / "a.snapshot", fmt.make_header(3, **hdr), recs(False))
     fmt.write_snapshot(tmp_path / "b.snapshot", fmt.make_header(3, **hdr), recs(True))
     a, b = load_snapshot(tmp_path / "a.snapshot"), load_snapshot(tmp_path / "b.snapshot")
-    assert a.diff(b)["same"] is True and _diff_counts(a, b) == (4, 0, 0, [])
+    assert sv.diff(a, b)["same"] is True and _diff_counts(a, b) == (4, 0, 0, [])
