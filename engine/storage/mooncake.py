@@ -171,7 +171,10 @@ class MooncakeBackend:
                 del self._regions[addr]
 
     def _registered(self, addr: int, n: int) -> bool:
-        return any(s <= addr and addr + n <= s + ln for s, ln in self._regions.items())
+        for s, ln in self._regions.items():     # a handful of regions: a plain loop is fastest
+            if s <= addr and addr + n <= s + ln:
+                return True
+        return False
 
     # -- protocol ----------------------------------------------------------------------------
     def exists(self, keys: Sequence[str]) -> list[bool]:
@@ -225,9 +228,16 @@ class MooncakeBackend:
             copies: list[tuple[memoryview, int]] = []   # (caller view, staging offset)
             used = 0
             while i < len(keys):
-                located = [(v, a, self._registered(a, len(v)))
-                           for v, a in ((v, _addr(v)) for v in views[i])]
-                nbytes = sum(len(v) for v, _, reg in located if not reg)
+                p, s = [], []
+                nbytes = 0
+                for v in views[i]:          # registered parts go as they are (the common case)
+                    a, n = _addr(v), len(v)
+                    if self._registered(a, n):
+                        p.append(a)
+                    else:
+                        p.append(-1)
+                        nbytes += n
+                    s.append(n)
                 if nbytes > cap:
                     if not chunk:        # too big to stage: the copying API, on its own
                         out[i] = self._copying(keys[i], views[i], reading)
@@ -235,17 +245,14 @@ class MooncakeBackend:
                     break
                 if used + nbytes > cap:
                     break
-                p, s = [], []
-                for v, a, reg in located:
-                    if reg:
-                        p.append(a)
-                    else:
-                        if not reading:
-                            self._staging[used:used + len(v)] = np.frombuffer(v, np.uint8)
-                        copies.append((v, used))
-                        p.append(self._staging_addr + used)
-                        used += len(v)
-                    s.append(len(v))
+                if nbytes:                   # the others are bounced through the staging buffer
+                    for k, v in enumerate(views[i]):
+                        if p[k] == -1:
+                            if not reading:
+                                self._staging[used:used + len(v)] = np.frombuffer(v, np.uint8)
+                            copies.append((v, used))
+                            p[k] = self._staging_addr + used
+                            used += len(v)
                 chunk.append(i)
                 ptrs.append(p)
                 sizes.append(s)
