@@ -60,15 +60,15 @@ class EventLog:
     def emit(self, kind: str, **fields: Any) -> None:
         if not self.enabled:
             return
-        ev = {"seq": self._seq, "step": self.step, "kind": kind}
-        ev.update(fields)
+        ev = {"seq": self._seq, "step": self.step, "kind": kind, **fields}
         if self.mutator is not None:
             ev = self.mutator(ev)
         self._seq += 1
         if self.keep:
             self._events.append(ev)
-        for cb in self._listeners:
-            cb(ev)
+        if self._listeners:
+            for cb in self._listeners:
+                cb(ev)
 
     def set_step(self, step: int) -> None:
         self.step = step
