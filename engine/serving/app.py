@@ -162,6 +162,12 @@ class _Batch:
             sub.apply(out)
             yield sub
 
+    async def finish(self, request: web.Request) -> web.Response | None:
+        """Run to completion (non-streaming); the error response if a request failed."""
+        async for _ in self.updates(request):
+            pass
+        return self.failure()
+
     def failure(self) -> web.Response | None:
         for s in self.subs:
             if s.reason == "error":
@@ -202,9 +208,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     resp: web.StreamResponse | None = None
     try:
         if not parsed.stream:
-            async for _ in batch.updates(request):
-                pass
-            fail = batch.failure()
+            fail = await batch.finish(request)
             if fail is not None:
                 return fail
             s = batch.subs[0]
@@ -237,9 +241,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     resp: web.StreamResponse | None = None
     try:
         if not parsed.stream:
-            async for _ in batch.updates(request):
-                pass
-            fail = batch.failure()
+            fail = await batch.finish(request)
             if fail is not None:
                 return fail
             return web.json_response({
