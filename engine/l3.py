@@ -287,8 +287,15 @@ class StorageOps:
             self.counters["l3_errors"] += 1
         if job.kind == "put":
             node = job.payload
-            if job.error is None:
-                node.l3 = max(node.l3, int(job.result))
+            if job.error is None and int(job.result) == len(job.hashes):
+                # The node may have been split while the put was in flight: its pages are now
+                # the last len(hashes) pages of the path ending at it, spread over ancestors.
+                left, cur = len(job.hashes), node
+                while left > 0 and cur.parent is not None:
+                    k = len(cur.tokens) // self.page_size
+                    cur.l3 = max(cur.l3, min(k, left))
+                    left -= k
+                    cur = cur.parent
             self._pin(node, -1)
             self.events.emit("backup_done", op=f"l3-{job.op_id}", dst="l3")
             return None

@@ -61,6 +61,7 @@ ERROR_TABLE: list[tuple[type[BaseException], int]] = [
     (FileNotFoundError, EXIT_ERROR),
     (IsADirectoryError, EXIT_ERROR),
     (PermissionError, EXIT_ERROR),
+    (OSError, EXIT_ERROR),
     (ValueError, EXIT_USAGE),
 ]
 

@@ -97,3 +97,31 @@ def test_l3_needs_l2():
     c = make_cache(page_size=2, l1_pages=2, l2_pages=0, real=False)
     with pytest.raises(ValueError):
         c.attach_l3(SimulatedTier(capacity_pages=4))
+
+
+def test_put_split_in_flight_marks_every_piece():
+    import threading
+
+    backend = MemoryBackend(MemoryStoreConfig())
+    c = with_store(backend)
+    gate = threading.Event()
+    store = c.l3.impl.store
+    real_put = store.put_pages
+
+    def gated_put(*args, **kw):          # hold the worker so the put is still in flight
+        gate.wait(10)
+        return real_put(*args, **kw)
+
+    store.put_pages = gated_put
+    serve(c, seq(0, 16))                 # one node of 4 pages
+    for op in list(c._inflight_ops("backup")):
+        op.wait()
+    c.poll()                             # backup committed -> L3 put issued, held at the gate
+    assert c.l3.inflight and not c.l3.inflight[0].event.is_set()
+    c.match(seq(0, 8) + [999] * 8)       # splits the node 2 + 2 while its put is in flight
+    gate.set()
+    c.wait_all()
+    nodes = sorted(c.tree.iter_nodes(), key=lambda n: n.id)
+    assert [len(n.tokens) // 4 for n in nodes] == [2, 2]
+    assert [n.l3 for n in nodes] == [2, 2]
+    assert_healthy(c, idle=True)

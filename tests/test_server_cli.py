@@ -79,3 +79,31 @@ def test_serve_usage_errors(args, msg, fmt):
     assert res.exit_code == 2, res.output
     assert msg in res.output
     assert "Traceback" not in res.output
+
+
+def test_serve_rank_log_and_snapshot_dir_on_shutdown(tmp_path):
+    out_dir = tmp_path / "run"
+    proc = _spawn("--format", "json", "--rank-log-dir", str(out_dir),
+                  "--dump-tree-on-exit", str(out_dir) + "/")
+    try:
+        url = json.loads(proc.stdout.readline())["url"]
+        for _ in range(2):
+            r = requests.post(url + "/generate", timeout=30, json={
+                "input_ids": [256] + list(range(40)), "sampling_params": {"max_new_tokens": 3}})
+            assert r.status_code == 200
+    finally:
+        _, err = _finish(proc, signal.SIGTERM)
+    assert "Traceback" not in err
+    assert sorted(os.listdir(out_dir)) == ["rank0.ranklog", "tree-rank0.snapshot"]
+    check = CliRunner().invoke(app, ["consensus-check", str(out_dir / "rank0.ranklog"),
+                                     "--format", "json"])
+    assert check.exit_code == 0 and json.loads(check.stdout)["events"] > 4
+    insp = CliRunner().invoke(app, ["inspect", str(out_dir / "tree-rank0.snapshot"), "--check"])
+    assert insp.exit_code == 0, insp.output
+
+
+def test_serve_rank_log_dir_that_is_a_file_fails_at_start(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    r = CliRunner().invoke(app, ["bench", "serve", "--port", "0", "--rank-log-dir", str(blocker)])
+    assert r.exit_code == 1 and "Traceback" not in r.output and "exists" in r.output.lower()

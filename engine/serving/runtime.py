@@ -118,6 +118,8 @@ class Engine:
             eviction_policy=cfg.eviction_policy, host_layout=cfg.host_layout,
             device=self.device, layout=layout),
             events=self._event_log(cfg))
+        if cfg.rank_log_dir is not None:      # fail at start, not at shutdown
+            os.makedirs(cfg.rank_log_dir, exist_ok=True)
         self.model_tag = model_tag(cfg.model, mc)
         self.l3_status = "off"
         if cfg.hicache_storage_backend is not None or \

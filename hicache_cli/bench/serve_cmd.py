@@ -103,10 +103,11 @@ def register(bench_app: typer.Typer) -> None:
         inject_divergence: Optional[str] = typer.Option(
             None, "--inject-divergence", help="Debug: break this rank's recorded decisions, "
             "e.g. 'hit_length@rank=0,step=5'."),
-        dump_tree_on_exit: Optional[Path] = typer.Option(
+        dump_tree_on_exit: Optional[str] = typer.Option(
             None, "--dump-tree-on-exit", help="Write a radix-tree snapshot (for `hicache "
                                               "inspect`) when the server stops: a file, or a "
-                                              "directory (gets tree-rank0.snapshot)."),
+                                              "directory (an existing one, or a path ending "
+                                              "in /) that gets tree-rank0.snapshot."),
         log_level: LogLevel = typer.Option(LogLevel.warning, "--log-level",
                                            help="Server log verbosity (stderr)."),
         fmt: OutputFormat = typer.Option(OutputFormat.human, "--format",
@@ -153,19 +154,25 @@ def register(bench_app: typer.Typer) -> None:
                          f"{d['device']}, L1 {d['l1_tokens']} tokens, L2 {l2}, L3 {d['l3']}, "
                          f"page {d['page_size']}, {d['host_layout']})")
 
+        dump_path: Optional[Path] = None
+        if dump_tree_on_exit is not None:   # settle (and check) the destination before serving
+            from engine.snapshot import snapshot_filename
+
+            dump_path = Path(dump_tree_on_exit)
+            if dump_tree_on_exit.endswith(("/", os.sep)) or dump_path.is_dir():
+                dump_path.mkdir(parents=True, exist_ok=True)
+                dump_path = dump_path / snapshot_filename(0)
+            elif not dump_path.parent.is_dir():
+                fail(f"--dump-tree-on-exit: directory {dump_path.parent} does not exist",
+                     code=2)
+
         def on_exit(engine: Engine) -> None:
-            if dump_tree_on_exit is not None:
+            if dump_path is not None:
                 from engine.snapshot import write_snapshot
 
-                from engine.snapshot import snapshot_filename
-
-                path = dump_tree_on_exit
-                if path.is_dir() or str(path).endswith(os.sep):
-                    path.mkdir(parents=True, exist_ok=True)
-                    path = path / snapshot_filename(engine.cache.events.rank.rank)
-                n = write_snapshot(path, engine.cache,
+                n = write_snapshot(dump_path, engine.cache,
                                    {"model": engine.model_name, "source": "bench serve"})
-                stderr.print(f"wrote {path} ({n} nodes)")
+                stderr.print(f"wrote {dump_path} ({n} nodes)")
 
         try:
             serve(cfg, on_ready=ready, on_exit=on_exit)
