@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import gc
+import math
 import os
 from collections import deque
 from typing import Any, Sequence
@@ -62,6 +63,8 @@ class Divergence:
 
 def _jsonable(v: Any) -> Any:
     """Recorded values as JSON can hold them (bytes as hex, anything exotic as its repr)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return repr(v)             # NaN / inf from a msgpack log: JSON has no such numbers
     if v is None or isinstance(v, (str, int, float, bool)):
         return v
     if isinstance(v, dict):
@@ -493,11 +496,13 @@ class _GroupCheck:
                     lost = rec[0]["seq"] - s.expected
                     which = (f"event {s.expected}" if lost == 1
                              else f"events {s.expected}..{rec[0]['seq'] - 1}")
-                    parts.append(f"rank {r} jumps from seq {s.expected - 1} to {rec[0]['seq']} "
-                                 f"({which} missing)")
+                    jump = (f"starts at seq {rec[0]['seq']}" if s.expected == 0 else
+                            f"jumps from seq {s.expected - 1} to {rec[0]['seq']}")
+                    parts.append(f"rank {r} {jump} ({which} missing)")
             others = [r for r in by_rank if by_rank[r][1] == "ok"]
             if others:
-                parts.append(f"{_ranks_text(others)} continue with seq "
+                verb = "continues" if len(others) == 1 else "continue"
+                parts.append(f"{_ranks_text(others)} {verb} with seq "
                              f"{by_rank[others[0]][2][0]['seq']}")
             return "; ".join(parts)
         # different kinds: show what each rank recorded; same kind: the differing fields

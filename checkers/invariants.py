@@ -38,6 +38,11 @@ def check_tree(tree: Any, idle: bool = False) -> list[str]:
                 out.append(f"namespace: node {node.id} has namespace {node.namespace!r} under "
                            f"root {ns!r}")
             n_tok = len(node.tokens)
+            if is_root and (n_tok or node.l1 is not None or node.l2 is not None
+                            or getattr(node, "l3", 0)):
+                where = "the default namespace" if ns is None else f"namespace {ns!r}"
+                out.append(f"tree shape: root {node.id} of {where} holds tokens or pages (a "
+                           f"root is the empty prefix)")
             if not is_root:
                 if n_tok == 0 or n_tok % p:
                     out.append(f"tree shape: node {node.id} edge of {n_tok} tokens is not a "
@@ -48,6 +53,9 @@ def check_tree(tree: Any, idle: bool = False) -> list[str]:
                     if pages is not None and len(pages) != k:
                         out.append(f"residency: node {node.id} has {len(pages)} {tier.upper()} "
                                    f"pages for {k} pages of tokens")
+                if getattr(node, "l3", 0) > k:
+                    out.append(f"residency: node {node.id} records {node.l3} L3 pages for {k} "
+                               f"pages of tokens")
                 if node.l1 is None and node.l2 is None and not getattr(node, "l3", 0):
                     out.append(f"residency: node {node.id} lives in no tier")
                 parent = node.parent

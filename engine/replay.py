@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from engine.errors import OutOfCapacity
+from engine.errors import InputError, OutOfCapacity
 from engine.events import EventLog
 from engine.hicache import CacheConfig, HiCache
 from engine.policy import Belady, next_occurrence
@@ -26,7 +26,9 @@ def trace_tokens(hash_ids: Sequence[int], input_length: int) -> np.ndarray:
     """Tokens of one trace request: block ``b`` → ``b*512 … b*512+511``, cut at the length."""
     ids = np.asarray(hash_ids, dtype=np.int64)
     if ids.size and int(ids.max()) >= (1 << 32) // TRACE_BLOCK:
-        raise ValueError(f"hash id {int(ids.max())} too large for 32-bit token ids")
+        raise InputError(f"hash id {int(ids.max())} is too large: the replay maps block b to "
+                         f"tokens b*{TRACE_BLOCK}…, which must fit in 32 bits (hash ids below "
+                         f"{(1 << 32) // TRACE_BLOCK})")
     toks = (ids[:, None] * TRACE_BLOCK + np.arange(TRACE_BLOCK, dtype=np.int64)).reshape(-1)
     return toks[:input_length].astype(np.uint32)
 
@@ -114,7 +116,12 @@ def replay(records: Iterable, cfg: ReplayConfig, *,
     recs = list(records)
     if cfg.limit is not None:
         recs = recs[:cfg.limit]
-    requests = [trace_tokens(r.hash_ids, r.input_length) for r in recs]
+    requests = []
+    for k, r in enumerate(recs, 1):
+        try:
+            requests.append(trace_tokens(r.hash_ids, r.input_length))
+        except InputError as exc:
+            raise InputError(f"trace request {k}: {exc}") from None
     p = cfg.page_size
     clock = [0]
     policy = _opt_policy(requests, p, clock) if cfg.policy == "opt" else None

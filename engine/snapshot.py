@@ -66,9 +66,11 @@ def _header_for(obj: Any, tree: Any, meta: Mapping[str, Any] | None) -> dict:
         rank = dataclasses.asdict(rank)
     capacity = meta.pop("capacity", None)
     if capacity is None and cfg is not None:
-        l3 = getattr(obj, "l3", None)
+        # an L3 tier's backend knows its size in pages (SimulatedTier: -1 = unbounded)
+        l3_pages = getattr(getattr(getattr(obj, "l3", None), "impl", None), "capacity", None)
         capacity = {"l1": cfg.l1_tokens, "l2": cfg.l2_tokens or None,
-                    "l3": getattr(l3, "capacity_tokens", None)}
+                    "l3": l3_pages * tree.page_size
+                    if type(l3_pages) is int and l3_pages >= 0 else None}
     if cfg is not None:
         for key in ("write_policy", "eviction_policy", "host_layout", "device"):
             meta.setdefault(key, str(getattr(cfg, key)))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import io
 import json
+import math
 import mmap
 import os
 from itertools import islice, repeat
@@ -163,6 +164,19 @@ def write_ranklog(path: str | os.PathLike, header: Mapping[str, Any],
 
 
 # -- records -------------------------------------------------------------------------------------
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite_float(text: str) -> float:
+    """JSON numbers only: NaN and infinities (Python's extensions, or an overflowing 1e400)
+    would compare unequal to themselves and could not be written back as JSON."""
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return v
+
+
 def _type_name(v: Any) -> str:
     return {dict: "map", list: "array", str: "string", bytes: "binary", int: "integer",
             float: "float", bool: "boolean", type(None): "nil"}.get(type(v), type(v).__name__)
@@ -486,7 +500,8 @@ class RankLogFile:
             nxt = end + 1 if nl >= 0 else size
             if line.strip():
                 try:
-                    return json.loads(line), nxt
+                    return json.loads(line, parse_constant=_no_constant,
+                                      parse_float=_finite_float), nxt
                 except json.JSONDecodeError as exc:
                     raise self.error(offset, f"invalid JSON ({exc.msg} at column {exc.colno})") \
                         from None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import io
+import math
 import os
 import time
 from typing import IO, Any, Iterable, Iterator, NamedTuple
@@ -52,6 +53,7 @@ INFLIGHT_BACKUP = 2    # an L1 -> L2 backup of this node is in flight (its L2 is
 MAX_OBJECT_BYTES = 64 << 20          # one header or node object (an edge of 16M tokens)
 MAX_NODES = 100_000_000
 MAX_STR_BYTES = 64 << 10             # namespace, model name, meta strings
+MAX_CREATED_AT = 253402300799        # 9999-12-31 23:59:59 UTC, the last second datetime shows
 MAX_CONTAINER_LEN = 4096             # header maps/lists; a node array has len(NODE_FIELDS)
 _CHUNK = 1 << 16                     # node arrays decoded per columnar conversion
 
@@ -164,9 +166,11 @@ def write_snapshot(dest: str | os.PathLike | IO[bytes], header: dict,
         with open(tmp, "wb", buffering=1 << 20) as f:
             n = write_snapshot(f, header, nodes)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.filename == tmp:  # name the file asked for
+            raise type(exc)(exc.errno, exc.strerror, path) from None
         raise
     return n
 
@@ -490,8 +494,10 @@ def _check_header(h: dict, name: str) -> None:
     if type(ps) is not int or not 1 <= ps <= 1 << 20:
         raise _err(name, f"header page_size must be an integer in [1, 2**20], "
                          f"got {ps!r}")
-    if type(h["created_at"]) not in (int, float):
-        raise _err(name, "header created_at must be a number (unix seconds)")
+    ts = h["created_at"]
+    if type(ts) not in (int, float) or not (math.isfinite(ts) and 0 <= ts <= MAX_CREATED_AT):
+        raise _err(name, f"header created_at must be unix seconds in [0, {MAX_CREATED_AT}], "
+                         f"got {ts!r}"[:120])
     model = h["model"]
     if not isinstance(model, dict) or set(model) - MODEL_FIELDS:
         raise _err(name, f"header model must be a map with keys "

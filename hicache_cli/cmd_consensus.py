@@ -70,8 +70,13 @@ def render_human(report: Any, max_divergences: int) -> None:
         p(f"[bold green]✓ consistent[/]: {what}")
     else:
         bad = sum(1 for g in groups if g.divergences)
-        p(f"[bold red]✗ inconsistent[/]: {_pl(len(report.divergences), 'divergence')} in "
-          f"{bad} of {_pl(len(groups), 'group')} — {what}")
+        # a rank with no log at all is a divergence of no group (group None)
+        absent = any(d.group is None for d in report.divergences)
+        where = f" in {bad} of {_pl(len(groups), 'group')}" if bad else ""
+        if absent:
+            where += ", plus ranks without a log" if bad else ": ranks without a log"
+        p(f"[bold red]✗ inconsistent[/]: {_pl(len(report.divergences), 'divergence')}{where} "
+          f"— {what}")
     for n, d in enumerate(report.divergences, 1):
         p()
         where = []

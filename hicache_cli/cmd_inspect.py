@@ -18,7 +18,7 @@ from hicache_cli.output import EXIT_CHECK, EXIT_USAGE, emit_json, fail, handle_e
 
 BAR = 8
 _TIER_STYLE = {"L1": "green", "L2": "blue", "L3": "magenta"}
-_IDS = re.compile(r"^\s*\d+(\s*,\s*\d+)*\s*,?\s*$")
+_IDS = re.compile(r"^\s*[-+]?\d+(\s*,\s*[-+]?\d+)*\s*,?\s*$")
 
 
 class InspectFormat(str, enum.Enum):
@@ -32,8 +32,8 @@ def parse_prompt(text: str) -> list[int]:
     (UTF-8 bytes, BOS first) as the server encodes a prompt of the preset models."""
     if _IDS.match(text):
         ids = [int(x) for x in text.replace(" ", "").strip(",").split(",")]
-        if any(i > 0xFFFFFFFF for i in ids):
-            raise ValueError("--prefix: token ids must fit in uint32")
+        if any(not 0 <= i <= 0xFFFFFFFF for i in ids):
+            raise ValueError("--prefix: token ids must be in [0, 2**32)")
         return ids
     from engine.tokenizer import ByteTokenizer
 

@@ -78,3 +78,42 @@ def test_corrupt_gzip(tmp_path):
     p.write_bytes(gzip.compress(b'{"timestamp": 0}\n' * 100)[:40])
     r = run(str(p))
     assert r.exit_code == 1 and "Traceback" not in r.output
+
+
+def test_hash_id_beyond_32_bit_tokens_is_an_input_error(tmp_path):
+    # hash ids up to 2**48 parse, but block b is tokens b*512…: this was exit 2 (usage)
+    p = tmp_path / "big.jsonl"
+    p.write_text('{"timestamp": 0, "input_length": 600, "output_length": 1, '
+                 '"hash_ids": [1, 99999999]}\n')
+    r = run(str(p), "--l1-tokens", "200000")
+    assert r.exit_code == 1, r.output
+    assert "trace request 1: hash id 99999999 is too large" in r.stderr
+    assert "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("args,code,msg", [
+    (["--sweep", "--capacities", "1e400"], 2, "'1e400' is not a token count"),  # was a traceback
+    (["--sweep", "--capacities", "10"], 2, "10 tokens hold no page of 64 tokens"),
+    (["--l1-tokens", str(10 ** 17)], 1, "not enough memory"),                   # was a traceback
+])
+def test_capacities_out_of_range(args, code, msg):
+    r = run(DATA, "--limit", "5", *args)
+    assert r.exit_code == code, r.output
+    assert msg in r.stderr and "Traceback" not in r.output
+
+
+def test_output_paths_are_checked_before_the_replay(tmp_path):
+    (tmp_path / "file").write_text("x")
+    for args, msg in [
+        (["--sweep", "--plot", str(tmp_path / "no" / "s.png")],
+         f"--plot {tmp_path / 'no' / 's.png'}: directory {tmp_path / 'no'} does not exist"),
+        (["--dump-tree", str(tmp_path / "no" / "t.snap")],
+         f"--dump-tree {tmp_path / 'no' / 't.snap'}: directory {tmp_path / 'no'} does not"),
+        (["--dump-tree", str(tmp_path)], "is a directory, expected a file name"),
+        (["--rank-log-dir", str(tmp_path / "file")], "exists and is not a directory"),
+    ]:
+        r = run(DATA, "--limit", "5", "--l1-tokens", "200000", *args)
+        assert r.exit_code == 1, r.output
+        assert msg in r.stderr and ".tmp-" not in r.stderr
+        assert "hit rate" not in r.output        # failed before replaying, not after
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]

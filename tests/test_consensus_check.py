@@ -326,3 +326,24 @@ def test_cli_notes_go_to_stderr(tmp_path):
                                   [CASES + "/consistent", "--format", "xml"]])
 def test_cli_usage_errors_exit_2(args):
     assert cli(*args).exit_code == 2
+
+
+def test_cli_rank_without_log_and_non_finite_values(tmp_path):
+    # only a missing rank diverges: the summary said "1 divergence in 0 of 1 group"
+    r = cli(write(tmp_path, "a.ranklog", 0))
+    assert r.exit_code == 3
+    assert "✗ inconsistent: 1 divergence: ranks without a log — 1 rank in 1 group" in r.stdout
+    # a NaN recorded in a msgpack log is shown, not written as invalid JSON
+    nan = [*EV[:2], {**EV[2], "x": float("nan")}, *EV[3:]]
+    write(tmp_path, "b.ranklog", 1, nan)
+    r = cli(tmp_path, "--format", "json")
+    assert r.exit_code == 3
+    d = json.loads(r.stdout, parse_constant=lambda c: pytest.fail(f"{c} in JSON output"))
+    assert d["divergences"][0]["fields"]["1"] == {"x": "nan"}
+
+
+def test_missing_events_message_grammar(tmp_path):
+    a = write(tmp_path, "a.ranklog", 0)
+    b = write(tmp_path, "b.ranklog", 1, EV[3:])
+    d = check_consensus([a, b]).divergences[0]
+    assert d.message == "rank 1 starts at seq 3 (events 0..2 missing); rank 0 continues with seq 0"

@@ -340,7 +340,8 @@ def test_missing_file_and_diff_of_a_bad_file(snaps):
     (["--hot", "0"], "--hot must be >= 1"),
     (["--depth", "-1"], "--depth must be >= 0"),
     (["--expect-same"], "--expect-same needs --diff"),
-    (["--prefix", "1,99999999999"], "token ids must fit in uint32"),
+    (["--prefix", "1,99999999999"], "token ids must be in [0, 2**32)"),
+    (["--prefix", "0,1,-2"], "token ids must be in [0, 2**32)"),   # was matched as text
 ])
 def test_usage_errors_exit_2(snaps, args, message):
     res = run("small.snapshot", *args)

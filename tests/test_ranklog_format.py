@@ -90,6 +90,16 @@ def test_jsonl_blank_lines_and_line_numbers(tmp_path):
     assert error_of(p).endswith("r.jsonl: line 5: invalid JSON (Expecting value at column 31)")
 
 
+@pytest.mark.parametrize("value, problem", [("NaN", "NaN is not a JSON value"),
+                                            ("-Infinity", "-Infinity is not a JSON value"),
+                                            ("1e400", "number 1e400 is out of range")])
+def test_jsonl_refuses_non_finite_numbers(tmp_path, value, problem):
+    # NaN != NaN made equal logs diverge, and --format json then printed invalid JSON
+    text = json.dumps(HEADER) + '\n{"seq": 0, "step": 0, "kind": "match", "x": ' + value + "}\n"
+    p = write_bytes(tmp_path, "r.jsonl", text.encode())
+    assert error_of(p).endswith(f"r.jsonl: line 2: invalid JSON (ValueError: {problem})")
+
+
 def test_unknown_suffix_is_sniffed(tmp_path):
     write_ranklog(tmp_path / "r.jsonl", HEADER, EVENTS)
     write_ranklog(tmp_path / "r.ranklog", HEADER, EVENTS)

@@ -51,3 +51,17 @@ def test_one_snapshot_per_rank_and_ranks_agree(tmp_path):
     d = runner.invoke(app, ["inspect", snaps[0], "--diff", snaps[1], "--expect-same",
                             "--format", "json"])
     assert d.exit_code == 0, d.output
+
+
+def test_without_online_consensus_ranks_are_not_said_to_agree(tmp_path):
+    # rank 1 diverges; with nothing comparing the ranks this printed "2 ranks agreed"
+    args = ["bench", "replay", DATA, "--l1-tokens", "200000", "--limit", "40", "--ranks", "2",
+            "--rank-log-dir", str(tmp_path), "--inject-divergence", "hit_length@rank=1,step=10"]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "agreed" not in r.stdout
+    assert f"not compared (no --enable-rank-consensus); run `hicache consensus-check " \
+           f"{tmp_path}`" in r.stdout
+    d = json.loads(runner.invoke(app, args + ["--format", "json"]).stdout)
+    assert d["consistent"] is None and d["online_consensus"] is False
+    assert runner.invoke(app, ["consensus-check", str(tmp_path)]).exit_code == 3

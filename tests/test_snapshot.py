@@ -259,6 +259,11 @@ BAD = {
     "huge string": (_raw([_header(model={"name": "x" * (fmt.MAX_STR_BYTES + 1),
                                          "layout": None})] + GOOD[1:]),
                     "not a hicache-tree-snapshot"),
+    # a timestamp no date can show was a traceback (1e300) or "Invalid value NaN", exit 2
+    "created_at NaN": (_raw([_header(created_at=float("nan"))] + GOOD[1:]),
+                       "header created_at must be unix seconds"),
+    "created_at huge": (_raw([_header(created_at=1e300)] + GOOD[1:]),
+                        "header created_at must be unix seconds"),
 }
 
 
@@ -286,6 +291,35 @@ def test_broken_tree_still_loads_for_the_checker(tmp_path):
     recs[5] = recs[5]._replace(tokens=t(50, 55))      # node 8: 6 tokens, not page-aligned
     snap = load_snapshot(write_small(tmp_path / "a.snapshot", recs))
     assert any("node 8 edge of 6 tokens" in p for p in check_tree(snap))
+
+
+def test_checker_sees_l3_beyond_the_edge_and_a_root_with_tokens(tmp_path):
+    recs = small_records()
+    recs[1] = recs[1]._replace(l3=9)                  # node 1 has 2 pages, records 9 in L3
+    recs[6] = recs[6]._replace(tokens=t(1, 4))        # the lora-a root carries a page
+    snap = load_snapshot(write_small(tmp_path / "a.snapshot", recs))
+    problems = check_tree(snap)
+    assert any("node 1 records 9 L3 pages for 2 pages" in p for p in problems)
+    assert any("root 5 of namespace 'lora-a' holds tokens" in p for p in problems)
+
+
+def test_write_error_names_the_file_not_its_temporary(tmp_path):
+    for dest in (tmp_path / "missing" / "a.snapshot", tmp_path):
+        with pytest.raises(OSError) as exc:
+            write_small(dest)
+        assert exc.value.filename == str(dest)
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_header_records_the_l3_capacity_of_a_replay(tmp_path):
+    from engine.replay import ReplayConfig, replay
+    from engine.loadgen.trace import TraceRecord
+
+    recs = [TraceRecord(0.0, 1024, 1, (0, 1)), TraceRecord(1.0, 1024, 1, (0, 2))]
+    for l3, want in ((4096, 4096), (1000, 960), (-1, None)):
+        _, cache = replay(recs, ReplayConfig(page_size=64, l1_tokens=1024, l2_tokens=2048,
+                                             l3_tokens=l3), keep_cache=True)
+        assert snapshot_of(cache).header["capacity"] == {"l1": 1024, "l2": 2048, "l3": want}
 
 
 # ------------------------------------------------------------------------- diff internals

@@ -32,12 +32,41 @@ def _parse_capacities(text: str) -> list[int]:
                 part, mult = part[:-1], m
         try:
             val = int(float(part) * mult)
-        except ValueError:
+        except (ValueError, OverflowError):
             fail(f"--capacities: {part!r} is not a token count", code=2)
         if val < 1:
             fail(f"--capacities: capacities must be >= 1, got {val}", code=2)
         out.append(val)
     return out
+
+
+def _check_output_path(name: str, path: Optional[Path], directory: bool = False) -> None:
+    """Fail before the replay, not after it, when an output path cannot be written."""
+    if path is None:
+        return
+    if directory:
+        if path.exists() and not path.is_dir():
+            fail(f"{name} {path}: exists and is not a directory")
+        return
+    if path.is_dir():
+        fail(f"{name} {path}: is a directory, expected a file name")
+    parent = path.parent
+    if not parent.is_dir():
+        fail(f"{name} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        fail(f"{name} {path}: directory {parent} is not writable")
+
+
+def _replay(records, cfg, **kwargs):
+    """``engine.replay.replay``; tier sizes too large for this machine's memory are one line."""
+    from engine.replay import replay
+
+    try:
+        return replay(records, cfg, **kwargs)
+    except MemoryError:
+        pages = (cfg.l1_tokens + cfg.l2_tokens) // cfg.page_size
+        fail(f"not enough memory for the metadata of {pages:,} pages (L1 {cfg.l1_tokens:,} + "
+             f"L2 {cfg.l2_tokens:,} tokens, page size {cfg.page_size}); use smaller tiers")
 
 
 def register(bench_app: typer.Typer) -> None:
@@ -96,7 +125,7 @@ def register(bench_app: typer.Typer) -> None:
         """
         from engine.loadgen.trace import read_trace
         from engine.policy import policy_names
-        from engine.replay import ReplayConfig, replay
+        from engine.replay import ReplayConfig
 
         _positive("--page-size", page_size, allow_zero=False)
         _positive("--l1-tokens", l1_tokens, allow_zero=False)
@@ -113,6 +142,9 @@ def register(bench_app: typer.Typer) -> None:
             fail("--plot needs --sweep", code=2)
         if l1_tokens < page_size:
             fail(f"--l1-tokens {l1_tokens} holds no page of {page_size} tokens", code=2)
+        _check_output_path("--plot", plot)
+        _check_output_path("--dump-tree", dump_tree, directory=ranks > 1 or enable_rank_consensus)
+        _check_output_path("--rank-log-dir", rank_log_dir, directory=True)
 
         if ranks > 1 or enable_rank_consensus:
             _positive("--ranks", ranks, allow_zero=False)
@@ -133,12 +165,16 @@ def register(bench_app: typer.Typer) -> None:
             caps = _parse_capacities(capacities) if capacities else \
                 sorted({max(page_size, int(l1_tokens * f)) for f in
                         (0.125, 0.25, 0.5, 1, 2, 4)})
+            small = [c for c in caps if c < page_size]
+            if small:
+                fail(f"--capacities: {small[0]} tokens hold no page of {page_size} tokens",
+                     code=2)
             rows = []
             for pol in ("lru", "lfu", "opt"):
                 for cap in caps:
-                    res, _ = replay(records, ReplayConfig(page_size=page_size, l1_tokens=cap,
-                                                          l2_tokens=0, policy=pol, limit=limit,
-                                                          events=not no_events))
+                    res, _ = _replay(records, ReplayConfig(page_size=page_size, l1_tokens=cap,
+                                                           l2_tokens=0, policy=pol,
+                                                           limit=limit, events=not no_events))
                     d = res.to_dict()
                     rows.append({"policy": pol, "l1_tokens": cap,
                                  "token_hit_rate": d["token_hit_rate"],
@@ -190,10 +226,10 @@ def register(bench_app: typer.Typer) -> None:
                     if i % step == 0 or i == n:
                         bar.update(task, completed=i)
 
-                result, cache = replay(records, cfg, events=events, progress=tick,
-                                       keep_cache=keep)
+                result, cache = _replay(records, cfg, events=events, progress=tick,
+                                        keep_cache=keep)
         else:
-            result, cache = replay(records, cfg, events=events, keep_cache=keep)
+            result, cache = _replay(records, cfg, events=events, keep_cache=keep)
         out = result.to_dict()
         out["trace"] = str(trace)
         if rank_log_dir is not None:
@@ -226,7 +262,8 @@ def _multi_rank(trace: Path, ranks: int, cfg, rank_log_dir: Optional[Path], ever
     if every and rank_log_dir is None:
         fail("--enable-rank-consensus needs --rank-log-dir (where logs go on divergence)",
              code=2)
-    stderr.print(f"replaying on {ranks} ranks (gloo){' with online consensus' if every else ''}")
+    stderr.print(f"replaying on {ranks} rank{'' if ranks == 1 else 's'} (gloo)"
+                 f"{' with online consensus' if every else ''}")
     results = replay_ranks(RankRun(str(trace), cfg, ranks,
                                    str(rank_log_dir) if rank_log_dir else None, every, inject,
                                    str(dump_dir) if dump_dir else None))
@@ -234,8 +271,9 @@ def _multi_rank(trace: Path, ranks: int, cfg, rank_log_dir: Optional[Path], ever
     if errors:
         fail(f"rank {errors[0]['rank']} failed: {errors[0]['error']}", code=EXIT_ERROR)
     diverged = [r for r in results if "consensus_error" in r]
+    # without online consensus nothing compared the ranks' decisions: consistent is unknown
     out = {"trace": str(trace), "ranks": ranks, "online_consensus": bool(every),
-           "consistent": not diverged}
+           "consistent": not diverged if every else None}
     if diverged:
         out["consensus_error"] = diverged[0]["consensus_error"]
         out["rank_log_dir"] = diverged[0]["log_dir"]
@@ -253,8 +291,14 @@ def _multi_rank(trace: Path, ranks: int, cfg, rank_log_dir: Optional[Path], ever
         stdout.print(f"[bold red]✗[/] {out['consensus_error']}", markup=True)
     else:
         _print_result({**out["result"], "trace": str(trace)})
-        stdout.print(f"{ranks} ranks agreed" + (f" ({out['online_checks']} online checks)"
-                                                  if every else ""))
+        if every:
+            stdout.print(f"{ranks} ranks agreed ({out['online_checks']} online checks)")
+        else:
+            hint = (f"; run `hicache consensus-check {rank_log_dir}` to compare their logs"
+                    if rank_log_dir is not None else "")
+            rates = "" if out["identical_hit_rates"] else " (their hit rates differ)"
+            stdout.print(f"{ranks} ranks finished{rates}; their decisions were not compared "
+                         f"(no --enable-rank-consensus){hint}", markup=False)
     if diverged:
         raise typer.Exit(EXIT_CHECK)
 
