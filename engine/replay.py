@@ -116,12 +116,22 @@ def replay(records: Iterable, cfg: ReplayConfig, *,
     recs = list(records)
     if cfg.limit is not None:
         recs = recs[:cfg.limit]
+    limit = (1 << 32) // TRACE_BLOCK
+    remap: dict[int, int] | None = None
+    if any(r.hash_ids and max(r.hash_ids) >= limit for r in recs):
+        # Block ids too large for 32-bit tokens: renumber them densely by first appearance.
+        # Only equality of blocks matters to a prefix cache, so hit rates are unchanged.
+        remap = {}
+        for r in recs:
+            for b in r.hash_ids:
+                remap.setdefault(b, len(remap))
+        if len(remap) >= limit:
+            raise InputError(f"the trace has {len(remap)} distinct blocks; at most {limit} fit "
+                             f"in 32-bit token ids")
     requests = []
-    for k, r in enumerate(recs, 1):
-        try:
-            requests.append(trace_tokens(r.hash_ids, r.input_length))
-        except InputError as exc:
-            raise InputError(f"trace request {k}: {exc}") from None
+    for r in recs:
+        ids = r.hash_ids if remap is None else [remap[b] for b in r.hash_ids]
+        requests.append(trace_tokens(ids, r.input_length))
     p = cfg.page_size
     clock = [0]
     policy = _opt_policy(requests, p, clock) if cfg.policy == "opt" else None

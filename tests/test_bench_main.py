@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from engine.serving import ServerConfig
 from hicache_cli.app import app
-from hicache_cli.bench.main_job import embedded_server
+from hicache_cli.bench.main_job import MainJobConfig, check_config, embedded_server
 
 runner = CliRunner()
 TINY = ["--num-clients", "3", "--num-rounds", "3", "--request-length", "48",
@@ -39,12 +39,25 @@ def test_main_job_human():
 
 @pytest.mark.parametrize("args", [["--num-clients", "0"], ["--l1-tokens", "4"],
                                   ["--format", "xml"], ["--device", "tpu"],
-                                  ["--num-rounds", "30"]])
+                                  ["--num-rounds", "30"],
+                                  # 492 + 8 tokens fit 500 but not its 31 whole pages (496)
+                                  ["--num-clients", "1", "--num-rounds", "2",
+                                   "--request-length", "242", "--output-length", "8",
+                                   "--l1-tokens", "500"]])
 def test_bad_options_exit_2(args):
     r = runner.invoke(app, ["bench", *TINY, *args])
     assert r.exit_code == 2, r.output
-    if args[0] == "--num-rounds":
+    if "--num-rounds" in args:
         assert "raise --l1-tokens" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_l1_check_counts_whole_pages_as_the_server_does():
+    # the last round: prompt 488 + 8 output tokens = 495 positions with KV = 31 pages = 496
+    check_config(MainJobConfig(num_clients=1, num_rounds=2, request_length=240,
+                               output_length=8, l1_tokens=500, device="cpu"))
+    with pytest.raises(ValueError, match="needs 512 tokens of KV"):
+        check_config(MainJobConfig(num_clients=1, num_rounds=2, request_length=242,
+                                   output_length=8, l1_tokens=500, device="cpu"))
 
 
 def test_server_stopped_on_error():

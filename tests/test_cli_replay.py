@@ -80,15 +80,20 @@ def test_corrupt_gzip(tmp_path):
     assert r.exit_code == 1 and "Traceback" not in r.output
 
 
-def test_hash_id_beyond_32_bit_tokens_is_an_input_error(tmp_path):
-    # hash ids up to 2**48 parse, but block b is tokens b*512…: this was exit 2 (usage)
-    p = tmp_path / "big.jsonl"
-    p.write_text('{"timestamp": 0, "input_length": 600, "output_length": 1, '
-                 '"hash_ids": [1, 99999999]}\n')
-    r = run(str(p), "--l1-tokens", "200000")
-    assert r.exit_code == 1, r.output
-    assert "trace request 1: hash id 99999999 is too large" in r.stderr
-    assert "Traceback" not in r.output
+def test_hash_ids_beyond_32_bit_tokens_are_renumbered(tmp_path):
+    # block b is tokens b*512…: ids too large for that are renumbered by first appearance,
+    # which keeps block equality — and so the hit rate
+    lines = ['{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [%d, %d]}'
+             % (a, b) for a, b in ((7, 8), (7, 9), (7, 8))]
+    small = tmp_path / "small.jsonl"
+    small.write_text("\n".join(lines) + "\n")
+    big = tmp_path / "big.jsonl"
+    big.write_text("\n".join(ln.replace("[7,", "[99999999,").replace("[7, ", "[99999999, ")
+                             for ln in lines) + "\n")
+    a = run(str(small), "--l1-tokens", "200000", "--format", "json")
+    b = run(str(big), "--l1-tokens", "200000", "--format", "json")
+    assert a.exit_code == 0 and b.exit_code == 0, b.output
+    assert json.loads(a.stdout)["token_hit_rate"] == json.loads(b.stdout)["token_hit_rate"] > 0
 
 
 @pytest.mark.parametrize("args,code,msg", [

@@ -134,6 +134,20 @@ def test_cli_errors(server, tmp_path):
     assert r.exit_code == 1 and "all 1 requests failed (400" in r.stderr
 
 
+def test_cli_unwritable_output_fails_before_the_run(server, tmp_path):
+    """--output into a missing directory or onto a directory: one line, exit 1, and no request
+    sent (it used to run the whole benchmark, then lose the report on the failed write)."""
+    sent = lambda: sum(server.engine.scheduler.metrics.requests.values())  # noqa: E731
+    before = sent()
+    for out in (tmp_path / "missing" / "r.parquet", tmp_path):
+        r = runner.invoke(app, ["bench", "run", "--url", server.url, "--num-clients", "1",
+                                "--num-rounds", "1", "--request-length", "8", "-o", str(out)])
+        assert r.exit_code == 1, r.output
+        assert r.stderr.count("\n") == 1 and "--output" in r.stderr, r.stderr
+        assert r.stdout == ""
+    assert sent() == before
+
+
 def test_short_load_no_5xx_and_pools_back_to_baseline():
     """The issue's `bench run --concurrency 64 --duration 60`, shortened: no 5xx, and after
     /flush_cache the pools hold what they held before the load."""

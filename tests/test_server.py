@@ -147,6 +147,8 @@ BAD_GENERATE = [
     json.dumps({"text": "a", "sampling_params": {"temperature": "hot"}}).encode(),
     json.dumps({"text": "a", "sampling_params": {"temperature": -1}}).encode(),
     json.dumps({"text": "a", "sampling_params": {"top_p": 0}}).encode(),
+    json.dumps({"text": "a", "sampling_params": {"temperature": 1, "seed": 2 ** 70}}).encode(),
+    json.dumps({"text": "a", "priority": 2 ** 63}).encode(),
     json.dumps({"text": "a", "stream": "yes"}).encode(),
     json.dumps({"text": "a" * 17000}).encode(),                      # beyond the context
     json.dumps({"input_ids": [1] * 100, "sampling_params": {"max_new_tokens": 16300}}).encode(),
@@ -163,6 +165,8 @@ BAD_COMPLETIONS = [
     {"prompt": "x", "stop": ["\n"]},
     {"prompt": [1, 2, 999]},
     {"prompt": "x", "stream_options": {"include_usage": "yes"}},
+    {"prompt": "x", "temperature": 1, "seed": -2 ** 64},
+    {"prompt": "x", "priority": -2 ** 63 - 1},
 ]
 
 
@@ -183,6 +187,35 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server):
         "max_new_tokens": 2}})
     assert r.status_code == 200 and len(r.json()["output_ids"]) == 2
     assert on_sched(server, lambda: check_cache(server.engine.cache, idle=True)) == []
+
+
+EXTREME_SAMPLING = [{"temperature": 1e-300}, {"temperature": 1e308},
+                    {"temperature": 1, "top_p": 1e-300}, {"temperature": 1, "top_k": 2 ** 70},
+                    {"temperature": 1, "seed": 2 ** 64 - 1}]
+
+
+def test_extreme_sampling_values_are_served_and_spare_the_batch(server):
+    """Legal but extreme sampling values (denormal temperature or top_p, a huge temperature or
+    top_k) are served: before, one of them raised in the sampler and failed every request
+    sharing its scheduler step with 500."""
+    prompt = [256] + list(range(40))
+    greedy = post(server, "/generate", {"input_ids": prompt, "sampling_params": {
+        "max_new_tokens": 4, "temperature": 0}}).json()["output_ids"]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        bystander = pool.submit(post, server, "/generate", {
+            "input_ids": [256] + list(range(100, 140)),
+            "sampling_params": {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}})
+        _wait_running(server)
+        for sp in EXTREME_SAMPLING:
+            r = post(server, "/generate", {"input_ids": prompt, "sampling_params": {
+                "max_new_tokens": 4, "ignore_eos": True, **sp}})
+            assert r.status_code == 200, (sp, r.text)
+            out = r.json()["output_ids"]
+            assert len(out) == 4 and all(0 <= t < 256 for t in out), (sp, out)
+            if sp["temperature"] < 1e-6:
+                assert out == greedy          # a vanishing temperature is greedy
+        r = bystander.result(60)
+    assert r.status_code == 200 and len(r.json()["output_ids"]) == 48, r.text
 
 
 def _send_raw(url: str, body: dict) -> socket.socket:
@@ -296,6 +329,20 @@ def test_short_concurrent_load_has_no_5xx_and_flush_restores_the_pools():
             (start["l1_used_tokens"], start["l2_used_tokens"]) == (0, 0)
     finally:
         h.stop()
+
+
+def test_extreme_priorities_still_snapshot(server, tmp_path):
+    """Priorities live in the tree and its msgpack snapshot: the 64-bit extremes are stored
+    (a larger one is refused with 400 above; it used to make /dump_tree and
+    --dump-tree-on-exit fail with OverflowError)."""
+    for i, prio in enumerate((2 ** 63 - 1, -2 ** 63)):
+        r = post(server, "/generate", {"input_ids": [256] + [i + 1] * 40, "priority": prio,
+                                       "sampling_params": {"max_new_tokens": 1}})
+        assert r.status_code == 200, r.text
+    r = requests.post(server.url + "/dump_tree", timeout=30)
+    assert r.status_code == 200, r.text
+    (tmp_path / "t.snapshot").write_bytes(r.content)
+    load_snapshot(tmp_path / "t.snapshot")
 
 
 def test_dump_tree_and_server_info(server, tmp_path):

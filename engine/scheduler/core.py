@@ -410,6 +410,8 @@ class Scheduler:
             seed = sp.seed if sp.seed is not None else zlib.crc32(r.rid.encode())
             r.gen = torch.Generator().manual_seed(seed)
         x = logits.float() / sp.temperature
+        if self._banned.numel():             # -inf / inf (a huge temperature) is nan
+            x[self._banned] = -math.inf
         if sp.top_k > 0:
             kth = torch.topk(x, min(sp.top_k, x.numel())).values[-1]
             x = x.masked_fill(x < kth, -math.inf)
@@ -417,6 +419,7 @@ class Scheduler:
         if sp.top_p < 1:
             sp_, idx = torch.sort(probs, descending=True)
             keep = torch.cumsum(sp_, 0) - sp_ < sp.top_p
+            keep[0] = True                   # a top_p below float32 resolution keeps the top
             probs = torch.zeros_like(probs).scatter_(0, idx[keep], sp_[keep])
         return int(torch.multinomial(probs.cpu(), 1, generator=r.gen))
 

@@ -9,6 +9,9 @@ from typing import Any, Callable
 
 from engine.errors import InputError
 
+GREEDY_TEMPERATURE = 1e-6   # below this, sampling is greedy (logits / T would overflow)
+_SEED_RANGE = (-(1 << 63), 1 << 64)     # what torch.Generator.manual_seed accepts
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -27,10 +30,12 @@ class SamplingParams:
             raise InputError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not _SEED_RANGE[0] <= self.seed < _SEED_RANGE[1]:
+            raise InputError(f"seed must be in [-2**63, 2**64), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,7 @@ from engine.tokenizer import Tokenizer
 
 MAX_BODY_BYTES = 64 << 20          # a request body larger than this is refused (413)
 MAX_PROMPTS = 64                   # prompts in one /v1/completions call
+_INT64 = (-(1 << 63), 1 << 63)     # priorities are stored in the tree and its snapshots
 
 
 @dataclasses.dataclass
@@ -92,6 +93,13 @@ def _encode(text: str, tok: Tokenizer | None, name: str) -> np.ndarray:
     return np.asarray(tok.encode(text), dtype=np.int64)
 
 
+def _priority(body: dict) -> int:
+    v = _field(body, "priority", "int", 0)
+    if not _INT64[0] <= v < _INT64[1]:
+        raise InputError(f"field 'priority' must fit in 64 bits, got {v}")
+    return v
+
+
 def _namespace(body: dict) -> str | None:
     for key in ("namespace", "cache_salt", "extra_key", "lora_path"):
         v = _field(body, key, "str", None)
@@ -136,7 +144,7 @@ def parse_generate(body: Any, tok: Tokenizer | None) -> ParsedRequest:
     return ParsedRequest(
         prompts=[prompt], sampling=sampling, stream=_field(body, "stream", "bool", False),
         rid=_field(body, "rid", "str", None) or None, namespace=_namespace(body),
-        priority=_field(body, "priority", "int", 0))
+        priority=_priority(body))
 
 
 def _sampling(**kw: Any) -> SamplingParams:
@@ -197,7 +205,7 @@ def parse_completions(body: Any, tok: Tokenizer | None) -> ParsedRequest:
         prompts=prompts, sampling=sampling, stream=_field(body, "stream", "bool", False),
         namespace=_namespace(body), include_usage=_field(so, "include_usage", "bool", False,
                                                          "stream_options."),
-        model=_field(body, "model", "str", None), priority=_field(body, "priority", "int", 0))
+        model=_field(body, "model", "str", None), priority=_priority(body))
 
 
 # -- responses -----------------------------------------------------------------------------

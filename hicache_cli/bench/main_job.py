@@ -91,15 +91,18 @@ def check_config(cfg: MainJobConfig) -> None:
     """Usage errors (``ValueError``) before anything starts: the device, and a last round that
     could never fit in L1 (the server would refuse it with HTTP 400 in both runs)."""
     from engine.device import resolve_device
+    from engine.serving import ServerConfig
 
     resolve_device(cfg.device)
     shape = ConversationConfig(num_clients=cfg.num_clients, num_rounds=cfg.num_rounds,
                                request_length=cfg.request_length, output_length=cfg.output_length)
-    longest = shape.max_prompt_tokens + cfg.output_length
-    if longest > cfg.l1_tokens:
-        raise ValueError(f"the last round needs {longest} tokens of KV but --l1-tokens is "
-                         f"{cfg.l1_tokens}; raise --l1-tokens or lower --num-rounds / "
-                         f"--request-length")
+    # as the server counts: whole pages, KV for the prompt and every output token but the last
+    page = ServerConfig.page_size
+    need = -(-(shape.max_prompt_tokens + cfg.output_length - 1) // page) * page
+    if need > cfg.l1_tokens // page * page:
+        raise ValueError(f"the last round needs {need} tokens of KV (pages of {page}) but "
+                         f"--l1-tokens {cfg.l1_tokens} holds {cfg.l1_tokens // page * page}; "
+                         f"raise --l1-tokens or lower --num-rounds / --request-length")
 
 
 def run_main_job(cfg: MainJobConfig, *, show_progress: bool = True) -> dict:

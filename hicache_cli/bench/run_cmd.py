@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import typer
@@ -87,6 +88,17 @@ def write_parquet(result: LoadResult, path: str) -> None:
     cols = records_as_columns(result.records)
     table = pa.table({"workload": [result.workload] * len(result.records), **cols})
     pq.write_table(table, path)
+
+
+def check_output_path(path: str) -> None:
+    """Fail before the run, not after it, when ``--output`` could not be written."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        fail(f"--output {path} is a directory; give a file name such as run.parquet")
+    if not os.path.isdir(parent):
+        fail(f"--output {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        fail(f"--output {path}: directory {parent} is not writable")
 
 
 def _fmt_s(v: float | None) -> str:
@@ -182,6 +194,8 @@ def register(app: typer.Typer) -> None:
                              timeout=timeout, seed=seed)
         except ValueError as exc:
             fail(str(exc), 2)
+        if output:
+            check_output_path(output)
         result = run_with_progress(wl, cfg)
         rep = summarize_result(result)
         if output:
