@@ -292,3 +292,36 @@ def test_forward_error_fails_the_batch_and_keeps_serving(tiny, caplog):
         s.call(lambda: assert_healthy(s.cache, idle=True)).result(10)
     finally:
         s.stop()
+
+
+def test_a_failing_sample_fails_only_its_own_request(tiny):
+    """Fault injection at the sampler: the broken request ends with an error, its batch mates
+    finish normally, and every page comes back."""
+    s = make(tiny, l1=2048, l2=0)
+    real = s._sample
+
+    def sample(logits, r):
+        if r.rid == "bad":
+            raise RuntimeError("injected")
+        return real(logits, r)
+
+    s._sample = sample
+    done = {}
+
+    def cb_for(k):
+        def cb(o):
+            if o.finished:
+                done[k] = o
+        return cb
+
+    good_prompt = toks(60, 40)
+    s.submit(good_prompt, GREEDY, cb_for("good"), rid="good")
+    s.submit(toks(60, 41), GREEDY, cb_for("bad"), rid="bad")
+    s.run_until_idle()
+    assert done["bad"].finish_reason is FinishReason.ERROR and "injected" in done["bad"].error
+    assert done["good"].finish_reason is FinishReason.LENGTH
+    s._sample = real
+    assert s.generate(good_prompt, GREEDY)[0] == reference(tiny, good_prompt)
+    s.cache.flush()
+    assert s.cache.l1_alloc.used_pages == 0
+    assert_healthy(s.cache, idle=True)

@@ -160,3 +160,11 @@ def test_mooncake_store_shared_and_survives_master_death(tmp_path, uncached):
         if master.proc is None:
             master.start()
         master.stop()
+
+
+def test_file_store_path_that_is_a_file_is_a_configuration_error(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    with pytest.raises(Exception, match="L3 file store"):
+        start_server(ServerConfig(**BASE, hicache_storage_backend="file",
+                                  hicache_storage_dir=str(blocker)))

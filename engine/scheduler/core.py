@@ -381,7 +381,13 @@ class Scheduler:
                     r.t_first = now
                     self._finish(r, FinishReason.LENGTH)
                     continue
-            tok = self._sample(logits[li], r)
+            try:
+                tok = self._sample(logits[li], r)
+            except Exception as exc:  # one request's sampling never fails its batch
+                log.exception("sampling failed for request %s", r.rid)
+                li += 1
+                self._finish(r, FinishReason.ERROR, error=f"sampling failed: {exc}")
+                continue
             li += 1
             r.out.append(tok)
             if math.isnan(r.t_first):

@@ -145,7 +145,8 @@ class Engine:
         """L3 on, or — when the store cannot be reached — off, said on stderr and /metrics."""
         from engine.errors import StorageError
         from engine.l3 import StoreTier
-        from engine.storage import L3Store, StorageConfig
+        from engine.errors import InputError
+        from engine.storage import BackendKind, L3Store, StorageConfig
 
         if not self.l2_tokens:
             raise ValueError("an L3 store needs an L2 host pool: set --l2-tokens > 0 "
@@ -156,6 +157,8 @@ class Engine:
         try:
             store = L3Store.open(scfg, layout, model_tag=self.model_tag)
         except StorageError as exc:
+            if scfg.backend is BackendKind.FILE:   # a local path: a configuration error
+                raise InputError(f"L3 file store: {exc}") from None
             self.l3_status = f"unavailable: {exc}"
             log.warning("L3 store (%s) unavailable, serving with L3 off: %s",
                         scfg.backend.value, exc)

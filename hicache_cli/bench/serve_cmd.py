@@ -79,8 +79,8 @@ def register(bench_app: typer.Typer) -> None:
         seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the random weights "
                                            "(presets; default: the preset's)."),
         storage_backend: Optional[str] = typer.Option(
-            None, "--hicache-storage-backend", help="L3 store: file (a directory) or mooncake "
-            "(a Mooncake Store); default none."),
+            None, "--hicache-storage-backend", help="L3 store: file (a directory), mooncake "
+            "(a Mooncake Store) or memory (in-process, for tests); default none."),
         storage_dir: Optional[str] = typer.Option(
             None, "--hicache-storage-dir", help="file backend: the directory (default: a "
             "temporary one)."),
