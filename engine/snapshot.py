@@ -125,10 +125,14 @@ def write_snapshot(path: str | os.PathLike, cache_or_tree: Any,
     return fmt.write_snapshot(path, snap.header, snap.nodes)
 
 
+def encode_snapshot(snap: TreeSnapshot) -> bytes:
+    """Encode a copied tree (``snapshot_of``); safe to run off the scheduler thread."""
+    return fmt.encode_snapshot(snap.header, snap.nodes)
+
+
 def snapshot_bytes(cache_or_tree: Any, meta: Mapping[str, Any] | None = None) -> bytes:
     """The snapshot as bytes (the body of ``POST /dump_tree``)."""
-    snap = snapshot_of(cache_or_tree, meta)
-    return fmt.encode_snapshot(snap.header, snap.nodes)
+    return encode_snapshot(snapshot_of(cache_or_tree, meta))
 
 
 def snapshot_filename(rank: int) -> str:

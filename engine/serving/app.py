@@ -340,12 +340,12 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 async def dump_tree(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
-    try:
-        from engine.snapshot import snapshot_bytes
-    except ImportError:  # pragma: no cover - the snapshot writer ships with the engine
-        return _error(501, "tree snapshots are not available in this build", "not_implemented")
+    from engine.snapshot import encode_snapshot, snapshot_of
+
     meta = {"model": engine.model_name, "source": "bench serve"}
-    data = await _on_scheduler(engine, lambda: snapshot_bytes(engine.cache, meta))
+    # Only the copy of the tree runs on the scheduler thread; encoding runs off it.
+    snap = await _on_scheduler(engine, lambda: snapshot_of(engine.cache, meta))
+    data = await asyncio.get_running_loop().run_in_executor(None, encode_snapshot, snap)
     return web.Response(body=data, content_type="application/octet-stream",
                         headers={"Content-Disposition": 'attachment; filename="tree.snapshot"'})
 
