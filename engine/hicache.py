@@ -81,28 +81,33 @@ class HiCache(StorageOps):
     def match(self, tokens: Sequence[int] | np.ndarray, namespace: str | None = None,
               rid: Any = None, priority: int = 0) -> MatchResult:
         toks = as_tokens(tokens)
-        path, _ = self.tree.walk(toks, namespace)
-        tick = self.tree.tick
-        for node in path:
-            node.last_access = tick()
+        tree = self.tree
+        path, _ = tree.walk(toks, namespace)
+        push = self._push_candidate
+        n1 = -1                            # path[:n1] is the L1 hit (set at the first non-L1)
+        l1_len = l2_len = 0
+        for i, node in enumerate(path):
+            tree.clock += 1
+            node.last_access = tree.clock
             node.hit_count += 1
             if priority > node.priority:
                 node.priority = priority
-            self._push_candidate(node)
-        if self.tree.split_lower is not None:
-            self.tree.split_lower.last_access = tick()
-            self._push_candidate(self.tree.split_lower)
-        n1 = 0
-        l1_len = 0
-        for node in path:
-            if node.l1 is None or (node.loading is not None and not node.loading.done()):
-                break
-            n1 += 1
-            l1_len += len(node.tokens)
-        l2_len = 0
-        for node in path[n1:]:
-            assert node.l2 is not None, f"{node!r} past the L1 prefix is not in L2"
-            l2_len += len(node.tokens)
+            if not node.lock_ref and (node.l2 is not None or not node.n_l1_children):
+                push(node)                 # only nodes that can be eviction candidates
+            if n1 < 0 and (node.l1 is None or (node.loading is not None
+                                               and not node.loading.done())):
+                n1 = i
+            if n1 < 0:
+                l1_len += len(node.tokens)
+            else:
+                assert node.l2 is not None, f"{node!r} past the L1 prefix is not in L2"
+                l2_len += len(node.tokens)
+        if n1 < 0:
+            n1 = len(path)
+        if tree.split_lower is not None:
+            tree.clock += 1
+            tree.split_lower.last_access = tree.clock
+            push(tree.split_lower)
         l3_len = 0
         hashes: list = []
         if self.l3 is not None:
@@ -115,10 +120,11 @@ class HiCache(StorageOps):
                     else np.empty(0, dtype=np.int64))
         m = MatchResult(rid, namespace, l1_len, l2_len, l3_len, l1_pages, path, n1,
                         hashes=hashes)
-        self.counters["match_tokens"] += len(toks)
-        self.counters["hit_l1_tokens"] += l1_len
-        self.counters["hit_l2_tokens"] += l2_len
-        self.counters["hit_l3_tokens"] += l3_len
+        c = self.counters
+        c["match_tokens"] += len(toks)
+        c["hit_l1_tokens"] += l1_len
+        c["hit_l2_tokens"] += l2_len
+        c["hit_l3_tokens"] += l3_len
         self.events.emit("match", rid=rid, l1_len=l1_len, l2_len=l2_len, l3_len=l3_len)
         if self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE and self.l2_alloc:
             hot = [n for n in path[:n1] if n.l2 is None and n.backing_up is None
@@ -223,6 +229,9 @@ class HiCache(StorageOps):
                ) -> Node | None:
         """Take ownership of ``pages`` (one L1 page per full page of ``tokens``).
 
+        The tree may keep a view of ``tokens`` (a uint32 array is not copied): do not modify
+        the array afterwards.
+
         ``prefix_hashes`` (``MatchResult.hashes``) saves rehashing the matched prefix when an
         L3 tier needs page hashes. ``after``: the still-held receipt of this request's match —
         its node is a prefix of ``tokens`` and cannot have left the tree, so the walk resumes
@@ -265,7 +274,12 @@ class HiCache(StorageOps):
         new_node = None
         if pos < len(toks):
             parent = last
-            new_node = self.tree.add_child(parent, toks[pos:].copy())
+            suffix = toks[pos:]
+            if 2 * len(suffix) < len(toks):
+                # A view would keep the whole (mostly cached) prompt alive: copy the new part.
+                # Otherwise the view wastes less than the node's own size — no copy needed.
+                suffix = suffix.copy()
+            new_node = self.tree.add_child(parent, suffix)
             new_node.l1 = pages[off:].copy()
             new_node.last_access = tick()
             new_node.priority = priority
@@ -317,6 +331,8 @@ class HiCache(StorageOps):
         ``limits`` (queue name → count) consumes exactly that many, waiting for local
         completion if needed — the PP stage protocol (SPEC §2.2).
         """
+        if limits is None and self.l3 is None and not any(self._inflight.values()):
+            return {}
         out = {}
         for kind, q in self._inflight.items():
             if limits is not None and kind.value in limits:
