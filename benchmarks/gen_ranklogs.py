@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from engine.divergence import injector_for, synthetic_decisions  # noqa: E402
 from engine.events import RankInfo  # noqa: E402
-from formats.ranklog import event_packer  # noqa: E402
+from formats.ranklog_writer import event_packer  # noqa: E402
 
 
 def generate(out_dir: str, *, ranks: int = 8, events: int = 2_000_000, dp: int = 1,

@@ -19,9 +19,7 @@ paused while checking (the decoded events hold no cycles).
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import gc
-import math
 import os
 from collections import deque
 from typing import Any, Sequence
@@ -29,89 +27,12 @@ from typing import Any, Sequence
 from engine.errors import InputError
 from formats.errors import FormatError
 from formats.ranklog import SUFFIXES, Encoding, RankLogFile, Run, event_problem
+from checkers.consensus_report import ConsensusReport, Divergence, GroupResult
 from formats.ranklog_compare import MISSING, classify, compared_fields, differing_fields
 
 DEFAULT_CHUNK = 8192
 DEFAULT_MAX_DIVERGENCES = 10
 DEFAULT_CONTEXT = 3
-
-
-# -- results -------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Divergence:
-    """The first difference at one place in one group's streams."""
-
-    category: str
-    group: int | None              # dp_rank (None: a rank with no log at all)
-    step: int | None
-    seq: int | None                # where the event should be (the majority's seq)
-    ranks: list[int]               # the minority: ranks that differ from the majority
-    majority: list[int]
-    fields: dict[int, dict[str, Any]]   # per rank: the fields that differ, as recorded
-    context: dict[int, dict[str, Any]]  # per rank: {"before": [...], "at": ev|None, "after": [...]}
-    message: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "category": self.category, "group": self.group, "step": self.step, "seq": self.seq,
-            "ranks": self.ranks, "majority": self.majority,
-            "fields": {str(r): _jsonable(v) for r, v in self.fields.items()},
-            "context": {str(r): _jsonable(v) for r, v in self.context.items()},
-            "message": self.message,
-        }
-
-
-def _jsonable(v: Any) -> Any:
-    """Recorded values as JSON can hold them (bytes as hex, anything exotic as its repr)."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return repr(v)             # NaN / inf from a msgpack log: JSON has no such numbers
-    if v is None or isinstance(v, (str, int, float, bool)):
-        return v
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
-    if isinstance(v, (bytes, bytearray)):
-        return bytes(v).hex()
-    return repr(v)
-
-
-@dataclasses.dataclass
-class GroupResult:
-    dp_rank: int
-    ranks: list[int]
-    events: int = 0
-    divergences: int = 0
-    complete: bool = True          # False: stopped at --max-divergences before the end
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass
-class ConsensusReport:
-    groups: list[GroupResult]
-    ranks: int
-    events: int
-    divergences: list[Divergence]
-    files: list[str]
-    notes: list[str]
-
-    @property
-    def consistent(self) -> bool:
-        return not self.divergences
-
-    @property
-    def complete(self) -> bool:
-        return all(g.complete for g in self.groups)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "consistent": self.consistent, "groups": [g.to_json() for g in self.groups],
-            "ranks": self.ranks, "events": self.events,
-            "divergences": [d.to_json() for d in self.divergences],
-            "complete": self.complete, "files": self.files, "notes": self.notes,
-        }
 
 
 # -- inputs --------------------------------------------------------------------------------------

@@ -36,7 +36,8 @@ import torch.distributed as dist
 
 from engine.errors import HiCacheError
 from engine.events import EventLog, RankInfo
-from formats.ranklog import event_packer, is_local, write_ranklog
+from formats.ranklog import is_local
+from formats.ranklog_writer import event_packer, write_ranklog
 from formats.ranklog_compare import classify, compared_fields, differing_fields
 
 _KEY = itemgetter(0)

@@ -93,6 +93,6 @@ class EventLog:
 
     def write(self, path: str) -> None:
         """Write header + kept events as a rank log (``*.ranklog`` msgpack or ``*.jsonl``)."""
-        from formats.ranklog import write_ranklog  # formats is a lower layer than engine
+        from formats.ranklog_writer import write_ranklog  # formats is below engine
 
         write_ranklog(path, self.rank.header(), self._events)

@@ -6,8 +6,8 @@ header ``{"format": "hicache-ranklog", "version": 1, "rank", "world_size", "dp_r
 "tp_size", "pp_rank", "pp_size", "cp_rank", "cp_size"}``; every later record is one event
 ``{"seq", "step", "kind", ...}``. Fields named ``local_*`` are rank-local and never compared.
 
-This module writes logs (:func:`write_ranklog`, :class:`RankLogWriter`) and reads them with
-size limits (:class:`RankLogFile`: single records, fast runs of records, plain iteration). The
+Writing is :mod:`formats.ranklog_writer` (:func:`write_ranklog`, :class:`RankLogWriter`). This
+module reads logs with size limits (:class:`RankLogFile`: single records, fast runs of records, plain iteration). The
 v1 rules that say which difference between two ranks' events falls in which category live in
 :mod:`formats.ranklog_compare`. Every problem with the input is a :class:`RankLogError` (a
 ``formats.errors.FormatError``) naming the file and the byte offset (msgpack) or line (JSON
@@ -24,7 +24,7 @@ import mmap
 import os
 from itertools import islice, repeat
 from operator import itemgetter
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterator
 
 import msgpack
 
@@ -77,90 +77,6 @@ def encoding_for(path: str | os.PathLike) -> Encoding:
     if name.endswith(JSONL_SUFFIX):
         return Encoding.jsonl
     raise ValueError(f"rank log path must end in one of {', '.join(SUFFIXES)}: {name}")
-
-
-# -- writing -------------------------------------------------------------------------------------
-def _plain(o: Any) -> Any:
-    """Encoder fallback: numpy scalars/arrays, enums, sets and bytes (JSON only) to plain values."""
-    if isinstance(o, enum.Enum):
-        return o.value
-    if hasattr(o, "tolist"):  # numpy scalar or array
-        return o.tolist()
-    if isinstance(o, (set, frozenset)):
-        return sorted(o)
-    raise TypeError(f"cannot encode {type(o).__name__} in a rank log")
-
-
-def _plain_json(o: Any) -> Any:
-    if isinstance(o, (bytes, bytearray)):
-        return bytes(o).hex()
-    return _plain(o)
-
-
-def event_packer() -> msgpack.Packer:
-    """The msgpack packer rank logs are written with (also the online mode's canonical encoding)."""
-    return msgpack.Packer(use_bin_type=True, default=_plain)
-
-
-class RankLogWriter:
-    """Streams one rank's log to ``path`` (``.ranklog``: msgpack, ``.jsonl``: JSON Lines).
-
-    The file appears under its final name only on :meth:`close` (written to ``path + ".tmp"``
-    and renamed), so a reader never sees a half-written log from a clean run.
-    """
-
-    def __init__(self, path: str | os.PathLike, header: Mapping[str, Any]):
-        self.path = os.fspath(path)
-        self.encoding = encoding_for(self.path)
-        try:
-            parse_header(dict(header), self.path, None)
-        except RankLogError as exc:  # caller misuse
-            raise ValueError(exc.problem) from None
-        self._tmp = self.path + ".tmp"
-        self._fh = open(self._tmp, "wb")
-        if self.encoding is Encoding.msgpack:
-            pack = event_packer().pack
-            self._encode = pack
-        else:
-            dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False,
-                                     default=_plain_json).encode
-            self._encode = lambda ev: (dumps(ev) + "\n").encode("utf-8")
-        self._fh.write(self._encode(dict(header)))
-
-    def write(self, event: Mapping[str, Any]) -> None:
-        self._fh.write(self._encode(event))
-
-    def write_many(self, events: Iterable[Mapping[str, Any]]) -> None:
-        self._fh.writelines(map(self._encode, events))
-
-    def close(self) -> None:
-        if self._fh.closed:
-            return
-        self._fh.close()
-        os.replace(self._tmp, self.path)
-
-    def abort(self) -> None:
-        """Drop the partial file (an exception while writing)."""
-        if not self._fh.closed:
-            self._fh.close()
-        if os.path.exists(self._tmp):
-            os.unlink(self._tmp)
-
-    def __enter__(self) -> "RankLogWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
-
-
-def write_ranklog(path: str | os.PathLike, header: Mapping[str, Any],
-                  events: Iterable[Mapping[str, Any]]) -> None:
-    """Write a whole rank log: ``header`` then ``events`` (encoding from the suffix)."""
-    with RankLogWriter(path, header) as w:
-        w.write_many(events)
 
 
 # -- records -------------------------------------------------------------------------------------

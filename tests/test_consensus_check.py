@@ -15,7 +15,8 @@ from engine.divergence import install, record, synthetic_decisions
 from engine.errors import InputError
 from engine.events import EventLog, RankInfo
 from formats.errors import FormatError
-from formats.ranklog import read_ranklog, write_ranklog
+from formats.ranklog import read_ranklog
+from formats.ranklog_writer import write_ranklog
 from hicache_cli.app import app
 
 CASES = os.path.join(os.path.dirname(__file__), "data", "ranklogs")

@@ -12,7 +12,8 @@ from engine.events import EventLog, RankInfo
 from formats import ranklog as rl
 from formats import ranklog_compare as rc
 from formats.errors import FormatError
-from formats.ranklog import RankLogFile, read_ranklog, write_ranklog
+from formats.ranklog import RankLogFile, read_ranklog
+from formats.ranklog_writer import write_ranklog
 
 HEADER = {"format": "hicache-ranklog", "version": 1, "rank": 1, "world_size": 2}
 EVENTS = [
