@@ -142,14 +142,6 @@ class HiCache(StorageOps):
         self.events.emit("lock", rid=m.rid, node=node.id if node else None)
         return LockReceipt(node, m.rid)
 
-    def lock_node(self, node: Node | None, rid: Any = None) -> LockReceipt:
-        n = node
-        while n is not None and n.parent is not None:
-            n.lock_ref += 1
-            n = n.parent
-        self.events.emit("lock", rid=rid, node=node.id if node else None)
-        return LockReceipt(node, rid)
-
     def unlock(self, receipt: LockReceipt) -> None:
         node = receipt.node
         self.events.emit("unlock", rid=receipt.rid, node=node.id if node else None)

@@ -199,3 +199,28 @@ def test_events_record_each_decision():
     ev = [e for e in c.events.events if e["kind"] == "evict"][0]
     assert ev["tier"] == "l1" and ev["evicted"] == ev["eligible"]
     assert [e["seq"] for e in c.events.events] == list(range(len(kinds)))
+
+
+def test_poll_consumes_exactly_the_agreed_number_of_acks():
+    """The PP protocol (SPEC §2.2): a stage consumes exactly N completed ops even if more are
+    done locally; ready_count is what it can ACK."""
+    c = make_cache(page_size=2, l1_pages=8, l2_pages=8)
+    c.transfers.pause()
+    for t in (seq(0, 4), seq(10, 4)):
+        m = c.match(t)
+        r = c.lock(m)
+        c.insert(t, c.alloc(2), after=r)     # write-through: one backup op each
+        c.unlock(r)
+    assert c.ready_count("backup") == 0
+    c.transfers.resume()
+    for op in c._inflight_ops("backup"):
+        op.wait()
+    assert c.ready_count("backup") == 2
+    assert c.poll(limits={"backup": 1})["backup"] == 1
+    assert c.ready_count("backup") == 1      # ACK(2) stays queued although it is done
+    assert c.l2_alloc.used_pages == 4
+    done = [e["op"] for e in c.events.events if e["kind"] == "backup_done"]
+    assert done == [0]
+    c.poll()
+    assert [e["op"] for e in c.events.events if e["kind"] == "backup_done"] == [0, 1]
+    assert_healthy(c, idle=True)
