@@ -15,7 +15,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
@@ -200,27 +200,29 @@ async def _send(resp: web.StreamResponse, obj: Any) -> None:
     await resp.write(f"data: {data}\n\n".encode())
 
 
-# -- handlers ------------------------------------------------------------------------------
-async def generate(request: web.Request) -> web.StreamResponse:
-    engine = request.app[ENGINE_KEY]
-    parsed = parse_generate(await _json_body(request), engine.tokenizer)
-    batch = _Batch(engine, parsed)
+async def _respond(request: web.Request, batch: "_Batch", stream: bool,
+                   whole: Callable[[], dict], chunk: Callable[["_Sub"], dict | None],
+                   tail: Callable[[], dict | None] | None = None) -> web.StreamResponse:
+    """The skeleton both endpoints share: one JSON body (``whole``), or SSE events (``chunk`` per
+    update, ``tail`` after the last) ending in ``[DONE]``. A client that goes away aborts the
+    batch; so does any other way out."""
     resp: web.StreamResponse | None = None
     try:
-        if not parsed.stream:
+        if not stream:
             fail = await batch.finish(request)
-            if fail is not None:
-                return fail
-            s = batch.subs[0]
-            return web.json_response({"text": s.text, "output_ids": s.ids,
-                                      "meta_info": _sglang_meta(s, True)})
+            return fail if fail is not None else web.json_response(whole())
         resp = await _sse(request)
         async for s in batch.updates(request):
             if s.reason in ("error", "abort"):
                 await _send(resp, {"error": {"message": s.error or s.reason, "code": 500}})
                 break
-            await _send(resp, {"text": s.text, "output_ids": s.ids,
-                               "meta_info": _sglang_meta(s, s.finished)})
+            payload = chunk(s)
+            if payload is not None:
+                await _send(resp, payload)
+        else:
+            last = tail() if tail is not None else None
+            if last is not None:
+                await _send(resp, last)
         await _send(resp, "[DONE]")
         await resp.write_eof()
         return resp
@@ -229,51 +231,50 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return resp if resp is not None else web.Response(status=499)
     finally:
         batch.abort()
+
+
+# -- handlers ------------------------------------------------------------------------------
+async def generate(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE_KEY]
+    parsed = parse_generate(await _json_body(request), engine.tokenizer)
+    batch = _Batch(engine, parsed)
+
+    def whole() -> dict:
+        s = batch.subs[0]
+        return {"text": s.text, "output_ids": s.ids, "meta_info": _sglang_meta(s, True)}
+
+    def chunk(s: _Sub) -> dict:
+        return {"text": s.text, "output_ids": s.ids, "meta_info": _sglang_meta(s, s.finished)}
+
+    return await _respond(request, batch, parsed.stream, whole, chunk)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     parsed = parse_completions(await _json_body(request), engine.tokenizer)
     batch = _Batch(engine, parsed)
-    cid = "cmpl-" + uuid.uuid4().hex
-    created = int(time.time())
-    model = parsed.model or engine.model_name
-    resp: web.StreamResponse | None = None
-    try:
-        if not parsed.stream:
-            fail = await batch.finish(request)
-            if fail is not None:
-                return fail
-            return web.json_response({
-                "id": cid, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": i, "text": s.text, "logprobs": None,
-                             "finish_reason": openai_finish_reason(s.reason)}
-                            for i, s in enumerate(batch.subs)],
-                "usage": _usage(batch.subs)})
-        resp = await _sse(request)
-        async for s in batch.updates(request):
-            if s.reason in ("error", "abort"):
-                await _send(resp, {"error": {"message": s.error or s.reason, "code": 500}})
-                break
-            if not s.delta and not s.finished:
-                continue
-            await _send(resp, {
-                "id": cid, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": batch.subs.index(s), "text": s.delta, "logprobs": None,
-                             "finish_reason": openai_finish_reason(s.reason)}]})
-        else:
-            if parsed.include_usage:
-                await _send(resp, {"id": cid, "object": "text_completion", "created": created,
-                                   "model": model, "choices": [],
-                                   "usage": _usage(batch.subs)})
-        await _send(resp, "[DONE]")
-        await resp.write_eof()
-        return resp
-    except (ClientGone, ConnectionResetError):
-        log.debug("client of %s went away; request aborted", request.path)
-        return resp if resp is not None else web.Response(status=499)
-    finally:
-        batch.abort()
+    head = {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion",
+            "created": int(time.time()), "model": parsed.model or engine.model_name}
+
+    def whole() -> dict:
+        return {**head, "choices": [{"index": i, "text": s.text, "logprobs": None,
+                                     "finish_reason": openai_finish_reason(s.reason)}
+                                    for i, s in enumerate(batch.subs)],
+                "usage": _usage(batch.subs)}
+
+    def chunk(s: _Sub) -> dict | None:
+        if not s.delta and not s.finished:
+            return None
+        return {**head, "choices": [{"index": batch.subs.index(s), "text": s.delta,
+                                     "logprobs": None,
+                                     "finish_reason": openai_finish_reason(s.reason)}]}
+
+    def tail() -> dict | None:
+        if not parsed.include_usage:
+            return None
+        return {**head, "choices": [], "usage": _usage(batch.subs)}
+
+    return await _respond(request, batch, parsed.stream, whole, chunk, tail)
 
 
 def _usage(subs: list[_Sub]) -> dict:
