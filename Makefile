@@ -2,23 +2,37 @@ PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# pip: quiet, no version nag, no root-user warning (these machines run as root)
+PIP := $(VPY) -m pip -q --disable-pip-version-check --no-warn-script-location
+export PIP_ROOT_USER_ACTION := ignore
 
-.PHONY: bench test venv clean lint
+.PHONY: bench test venv sysdeps clean lint
+
+# Debian packages the wheels and tests need (installed when missing and root; else one line).
+sysdeps:
+	@bash scripts/system_deps.sh
 
 $(STAMP): pyproject.toml constraints.txt
-	test -x $(VPY) || $(PY) -m venv $(VENV)
-	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(VPY) -m pip install -q -c constraints.txt -e '.[test,mooncake]'
-	touch $(STAMP)
+	@echo "setup: virtual environment $(VENV)"
+	@test -x $(VPY) || $(PY) -m venv $(VENV)
+	@$(PIP) install --upgrade pip >$(VENV)/setup.log 2>&1 || { cat $(VENV)/setup.log; exit 1; }
+	@echo "setup: torch (CPU wheel pinned in constraints.txt)"
+	@$(PIP) install -c constraints.txt torch==2.13.0 >$(VENV)/setup.log 2>&1 || { cat $(VENV)/setup.log; exit 1; }
+	@echo "setup: hicache with its test and mooncake extras"
+	@$(PIP) install -c constraints.txt -e '.[test,mooncake]' >$(VENV)/setup.log 2>&1 || { cat $(VENV)/setup.log; exit 1; }
+	@$(VPY) -c "import hicache_cli, torch" && touch $(STAMP)
 
-venv: $(STAMP)
+venv: sysdeps $(STAMP)
 
-bench: $(STAMP)
+bench: venv
 	$(VENV)/bin/hicache bench
 
-test: $(STAMP)
+test: venv
+	@$(VPY) -m ruff check --quiet . && echo "lint: ruff clean"
 	$(VPY) -m pytest -q
+
+lint: venv
+	$(VPY) -m ruff check .
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -34,8 +34,9 @@ ROOT = os.path.join(HERE, "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-from checkers.consensus import check_consensus  # noqa: E402
 from gen_ranklogs import generate  # noqa: E402
+
+from checkers.consensus import check_consensus  # noqa: E402
 
 
 def baseline_decode(paths: list[str]) -> tuple[int, float]:

@@ -28,8 +28,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from engine.snapshot import load_snapshot  # noqa: E402
-from engine.snapshot_views import diff, hot, summary, top  # noqa: E402
+from engine.snapshot.take import load_snapshot  # noqa: E402
+from engine.snapshot.views import diff, hot, summary, top  # noqa: E402
 from formats import snapshot as fmt  # noqa: E402
 
 PAGE = 16

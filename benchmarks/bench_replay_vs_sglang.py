@@ -22,7 +22,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.loadgen.trace import read_trace  # noqa: E402
-from engine.replay import ReplayConfig, replay  # noqa: E402
+from engine.sim.replay import ReplayConfig, replay  # noqa: E402
 
 
 def ours(records, args, events: bool) -> dict:

@@ -42,9 +42,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from engine.hashing import namespace_seed, page_hashes  # noqa: E402
-from engine.layout import KVLayout  # noqa: E402
-from engine.pool import HostPool  # noqa: E402
+from engine.cache.pool import HostPool  # noqa: E402
+from engine.core.hashing import namespace_seed, page_hashes  # noqa: E402
+from engine.core.layout import KVLayout  # noqa: E402
 from engine.storage import L3Store, StorageConfig, make_backend  # noqa: E402
 from engine.storage.config import FileStoreConfig  # noqa: E402
 

@@ -1,12 +1,12 @@
 """Generate synthetic rank logs (format v1, msgpack) for benchmarking ``consensus-check``.
 
-One event stream per data-parallel group from ``engine.divergence.synthetic_decisions`` (a cache
+One event stream per data-parallel group from ``engine.parallel.divergence.synthetic_decisions`` (a cache
 under continuous batching: match, lock, restore/restore_done, unlock, backup/backup_done, evict,
 pp_ack), written for every rank of the group. ``restore``/``backup`` carry ``local_slots``
 (physical page ids, equal on every rank, as with a deterministic allocator).
 ``--local-diff-rate`` adds a rank-local timing ``local_us`` that differs between ranks to that
 fraction of events (the checker's slow path); ``--inject`` breaks one rank with the engine's
-divergence switch (engine/divergence.py).
+divergence switch (engine/parallel/divergence.py).
 
     .venv/bin/python benchmarks/gen_ranklogs.py OUT_DIR [--ranks 8] [--events 2000000] [--dp 1]
         [--local-diff-rate 0.0] [--inject 'hit_length@rank=3,step=1000']
@@ -22,8 +22,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from engine.divergence import injector_for, synthetic_decisions  # noqa: E402
-from engine.events import RankInfo  # noqa: E402
+from engine.cache.events import RankInfo  # noqa: E402
+from engine.parallel.divergence import injector_for, synthetic_decisions  # noqa: E402
 from formats.ranklog_writer import event_packer  # noqa: E402
 
 
@@ -84,7 +84,7 @@ def main() -> None:
     ap.add_argument("--local-diff-rate", type=float, default=0.0,
                     help="fraction of events with a rank-local timing that differs per rank")
     ap.add_argument("--inject", default=None, help="divergence spec, e.g. "
-                    "'hit_length@rank=3,step=1000' (see engine/divergence.py)")
+                    "'hit_length@rank=3,step=1000' (see engine/parallel/divergence.py)")
     a = ap.parse_args()
     generate(a.out_dir, ranks=a.ranks, events=a.events, dp=a.dp, seed=a.seed,
              local_diff_rate=a.local_diff_rate, inject=a.inject)

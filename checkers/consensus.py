@@ -24,10 +24,10 @@ import os
 from collections import deque
 from typing import Any, Sequence
 
-from engine.errors import InputError
+from checkers.consensus_report import ConsensusReport, Divergence, GroupResult
+from engine.core.errors import InputError
 from formats.errors import FormatError
 from formats.ranklog import SUFFIXES, Encoding, RankLogFile, Run, event_problem
-from checkers.consensus_report import ConsensusReport, Divergence, GroupResult
 from formats.ranklog_compare import MISSING, classify, compared_fields, differing_fields
 
 DEFAULT_CHUNK = 8192
@@ -388,7 +388,7 @@ class _GroupCheck:
             diff = ["seq", *[k for k in diff if k != "seq"]]
         fields: dict[int, dict[str, Any]] = {}
         context: dict[int, dict[str, Any]] = {}
-        for s, r, c in zip(active, peeked, compared):
+        for s, r in zip(active, peeked):
             ev = r[0] if r is not None else None
             fields[s.rank] = ({k: ev[k] for k in diff if k in ev} if ev is not None
                               else {k: None for k in diff})   # no event at all: nulls

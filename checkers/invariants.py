@@ -1,8 +1,8 @@
 """Invariant checker for the cache stack: tree shape, tier residency, lock counts, slots.
 
-``check_tree`` works on anything with the node attributes of :class:`engine.radix_tree.Node`
+``check_tree`` works on anything with the node attributes of :class:`engine.cache.radix_tree.Node`
 (the live tree or a loaded snapshot); ``check_cache`` adds pool/allocator accounting of a live
-:class:`engine.hicache.HiCache`. Both return a list of violations (empty = healthy); tests call
+:class:`engine.cache.facade.HiCache`. Both return a list of violations (empty = healthy); tests call
 ``assert_healthy`` after every scenario.
 """
 

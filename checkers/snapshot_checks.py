@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from checkers.invariants import tier_pages, check_tree
+from checkers.invariants import check_tree, tier_pages
 
 
 def check_snapshot(snap: Any) -> list[str]:

@@ -447,7 +447,7 @@ class RankLogFile:
         except (ValueError, msgpack.UnpackException):
             self._u = None
             self.raise_first_bad(offset)
-            raise AssertionError("unreachable")  # pragma: no cover
+            raise AssertionError("unreachable") from None  # pragma: no cover
         ends = None
         if len(objs) == max_records:
             end = self._u_base + u.tell()

@@ -1,7 +1,7 @@
 """Comparing rank logs (v1, ``docs/rank-log-format.md``): which fields of an event must agree
 across ranks (:func:`compared_fields`), which differ (:func:`differing_fields`), and the category
 a difference between ranks' events at the same place falls in (:func:`classify`). Shared by the
-offline checker (``checkers.consensus``) and the online mode (``engine.consensus_online``).
+offline checker (``checkers.consensus``) and the online mode (``engine.parallel.consensus_online``).
 """
 
 from __future__ import annotations

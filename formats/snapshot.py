@@ -27,6 +27,7 @@ import numpy as np
 
 from formats.errors import FormatError
 
+
 class SnapshotError(FormatError):
     """A file that is not a readable tree snapshot; the one-line message names the file."""
 

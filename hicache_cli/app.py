@@ -21,9 +21,11 @@ app = typer.Typer(
 )
 
 # One line per command module; each module exposes ``register(app)``.
-from hicache_cli import cmd_bench  # noqa: E402
-from hicache_cli import cmd_inspect  # noqa: E402
-from hicache_cli import cmd_consensus  # noqa: E402
+from hicache_cli import (
+    cmd_bench,  # noqa: E402
+    cmd_consensus,  # noqa: E402
+    cmd_inspect,  # noqa: E402
+)
 
 cmd_bench.register(app)
 cmd_inspect.register(app)

@@ -17,8 +17,7 @@ from rich.markup import escape
 from rich.padding import Padding
 from rich.table import Table
 
-from hicache_cli.output import (EXIT_CHECK, OutputFormat, emit_json, handle_errors, stderr,
-                                stdout)
+from hicache_cli.output import EXIT_CHECK, OutputFormat, emit_json, handle_errors, stderr, stdout
 
 
 def _pl(n: int, word: str) -> str:

@@ -1,7 +1,7 @@
 """``hicache inspect SNAPSHOT…``: what a radix-tree snapshot holds, where, and why.
 
 Views: summary + tree (default), ``--hot``, ``--prefix``, ``--owners``, ``--diff``, ``--check``.
-The numbers come from :mod:`engine.snapshot_views`; this module only renders them.
+The numbers come from :mod:`engine.snapshot.views`; this module only renders them.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def parse_prompt(text: str) -> list[int]:
         if any(not 0 <= i <= 0xFFFFFFFF for i in ids):
             raise ValueError("--prefix: token ids must be in [0, 2**32)")
         return ids
-    from engine.tokenizer import ByteTokenizer
+    from engine.runtime.tokenizer import ByteTokenizer
 
     return ByteTokenizer().encode(text)
 
@@ -364,8 +364,8 @@ def register(app: typer.Typer) -> None:
 
         Example: hicache inspect tree.snapshot --hot 10 --prefix 'Hello' --check
         """
-        from engine import snapshot_views as sv
-        from engine.snapshot import load_snapshot
+        from engine.snapshot import views as sv
+        from engine.snapshot.take import load_snapshot
 
         if depth < 0 or max_children < 1:
             fail("--depth must be >= 0 and --max-children >= 1", EXIT_USAGE)

@@ -15,7 +15,7 @@ from typing import Any, Callable, NoReturn
 import typer
 from rich.console import Console
 
-from engine.errors import CheckFailed, HiCacheError, InputError
+from engine.core.errors import CheckFailed, HiCacheError, InputError
 from formats.errors import FormatError
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_CHECK = 0, 1, 2, 3

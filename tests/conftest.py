@@ -1,5 +1,12 @@
-"""Shared pytest setup: GPU tests run where a CUDA device exists and are skipped elsewhere."""
+"""Shared pytest setup.
 
+* GPU tests (marked ``gpu``) run where a CUDA device exists and are skipped elsewhere.
+* Mooncake tests (marked ``mooncake``, or parametrized/named ``mooncake``) need the Debian packages
+  the Mooncake wheel links (libibverbs1, libnuma1). ``make test`` installs them when it can
+  (scripts/system_deps.sh); where it could not, they are skipped with the command to run.
+"""
+
+import ctypes.util
 import os
 
 # Before torch loads: spin-waiting OpenMP threads slow to a crawl when the test's server and
@@ -9,12 +16,30 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402
 
 
-def pytest_collection_modifyitems(config, items):
-    from engine.device import cuda_available
+def mooncake_missing() -> str | None:
+    """Why the Mooncake tests cannot run here, or None when they can."""
+    libs = {"libibverbs1": "ibverbs", "libnuma1": "numa"}
+    missing = [pkg for pkg, lib in libs.items() if ctypes.util.find_library(lib) is None]
+    if missing:
+        return f"needs {', '.join(missing)}: run `apt-get install -y {' '.join(missing)}` (as root)"
+    return None
 
-    if cuda_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+
+def _is_mooncake_test(item) -> bool:
+    return "mooncake" in item.keywords or "mooncake" in item.nodeid.lower()
+
+
+def pytest_collection_modifyitems(config, items):
+    from engine.core.device import cuda_available
+
+    if not cuda_available():
+        skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip_gpu)
+    reason = mooncake_missing()
+    if reason:
+        skip_mc = pytest.mark.skip(reason=reason)
+        for item in items:
+            if _is_mooncake_test(item):
+                item.add_marker(skip_mc)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.hicache import CacheConfig, HiCache
-from engine.layout import KVLayout
-from engine.radix_tree import RadixTree
+from engine.cache.facade import CacheConfig, HiCache
+from engine.cache.radix_tree import RadixTree
+from engine.core.layout import KVLayout
 
 LAYERS = 2
 

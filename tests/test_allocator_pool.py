@@ -2,10 +2,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.allocator import PageAllocator
-from engine.errors import OutOfCapacity
-from engine.layout import KVLayout
-from engine.pool import DevicePool, HostPool
+from engine.cache.allocator import PageAllocator
+from engine.cache.pool import DevicePool, HostPool
+from engine.core.errors import OutOfCapacity
+from engine.core.layout import KVLayout
 
 
 def test_allocator_exact_accounting():

@@ -7,7 +7,7 @@ import urllib.request
 import pytest
 from typer.testing import CliRunner
 
-from engine.serving import ServerConfig
+from engine.runtime.serving import ServerConfig
 from hicache_cli.app import app
 from hicache_cli.bench.main_job import MainJobConfig, check_config, embedded_server
 

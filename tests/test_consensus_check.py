@@ -11,9 +11,9 @@ import pytest
 from typer.testing import CliRunner
 
 from checkers.consensus import check_consensus
-from engine.divergence import install, record, synthetic_decisions
-from engine.errors import InputError
-from engine.events import EventLog, RankInfo
+from engine.cache.events import EventLog, RankInfo
+from engine.core.errors import InputError
+from engine.parallel.divergence import install, record, synthetic_decisions
 from formats.errors import FormatError
 from formats.ranklog import read_ranklog
 from formats.ranklog_writer import write_ranklog

@@ -11,8 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from checkers.consensus import check_consensus
-from engine.divergence import Injection, install, parse_spec, record, synthetic_decisions
-from engine.events import EventLog, RankInfo
+from engine.cache.events import EventLog, RankInfo
+from engine.parallel.divergence import Injection, install, parse_spec, record, synthetic_decisions
 
 WORLD = 2
 STEPS = 24
@@ -26,7 +26,7 @@ def _free_port() -> int:
 
 def _run(rank: int, tmp: str, group, spec: str | None, every: int, keep: bool) -> dict:
     """One replica run of STEPS scheduler steps; returns what happened on this rank."""
-    from engine.consensus_online import OnlineConsensus, RankConsensusError
+    from engine.parallel.consensus_online import OnlineConsensus, RankConsensusError
 
     log = EventLog(RankInfo(rank=rank, world_size=WORLD, tp_rank=rank, tp_size=WORLD), keep=keep)
     log.mutator = lambda ev: {**ev, "local_rank": rank}   # rank-local data is never compared
@@ -51,7 +51,7 @@ def _run(rank: int, tmp: str, group, spec: str | None, every: int, keep: bool) -
 
 
 def _worker(rank: int, tmp: str, port: int) -> None:
-    from engine.consensus_online import consensus_group
+    from engine.parallel.consensus_online import consensus_group
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD)

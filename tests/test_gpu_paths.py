@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from checkers.invariants import assert_healthy
-from engine.hicache import CacheConfig, HiCache
+from engine.cache.facade import CacheConfig, HiCache
 from tests.factories import serve, tiny_layout
 
 pytestmark = pytest.mark.gpu

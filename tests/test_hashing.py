@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from engine.hashing import namespace_seed, page_hash, page_hashes
+from engine.core.hashing import namespace_seed, page_hash, page_hashes
 
 
 def test_first_page_is_sha256_of_uint32_le():
@@ -36,7 +36,7 @@ def test_namespace_seeds_the_chain():
 
 
 def test_deterministic_across_processes():
-    code = ("from engine.hashing import page_hashes;"
+    code = ("from engine.core.hashing import page_hashes;"
             "print(page_hashes(list(range(64)), 16)[-1].hex())")
     outs = set()
     for seed in ("0", "12345"):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from checkers.invariants import assert_healthy
-from engine.errors import OutOfCapacity
+from engine.core.errors import OutOfCapacity
 from tests.factories import make_cache, serve
 
 
@@ -52,9 +52,13 @@ def test_priority_policy_keeps_high_priority():
     c = make_cache(page_size=2, l1_pages=4, eviction_policy="priority", real=False)
     hi, lo = seq(0, 2), seq(10, 2)
     m = c.match(hi, rid="hi", priority=5)
-    r = c.lock(m); c.insert(hi, c.alloc(1), rid="hi", priority=5); c.unlock(r)
+    r = c.lock(m)
+    c.insert(hi, c.alloc(1), rid="hi", priority=5)
+    c.unlock(r)
     m = c.match(lo, rid="lo")
-    r = c.lock(m); c.insert(lo, c.alloc(1), rid="lo"); c.unlock(r)
+    r = c.lock(m)
+    c.insert(lo, c.alloc(1), rid="lo")
+    c.unlock(r)
     c.alloc(3)  # 2 free; must evict one page: the low-priority one even though it is newer
     assert evicted(c) == [node_of(c, hi) + 1]  # lo's node id
     assert c.match(hi).l1_len == 2
@@ -145,8 +149,10 @@ def test_namespaces_never_share_kv():
 def test_in_flight_load_is_not_an_l1_hit():
     c = make_cache(page_size=2, l1_pages=2, l2_pages=8)
     a, b = seq(0, 4), seq(10, 4)
-    serve(c, a); c.wait_all()
-    serve(c, b); c.wait_all()
+    serve(c, a)
+    c.wait_all()
+    serve(c, b)
+    c.wait_all()
     c.transfers.pause()
     try:
         m = c.match(a, rid="x")
@@ -161,17 +167,21 @@ def test_in_flight_load_is_not_an_l1_hit():
         assert c.stats()["loadback_ops"] == 1
     finally:
         c.transfers.resume()
-    h.wait(); h2.wait()
+    h.wait()
+    h2.wait()
     c.poll()
     assert c.match(a).l1_len == 4
-    c.unlock(r); c.unlock(r2)
+    c.unlock(r)
+    c.unlock(r2)
     assert_healthy(c, idle=True)
 
 
 def test_backup_commits_only_at_poll():
     c = make_cache(page_size=2, l1_pages=4, l2_pages=4)
-    m = c.match(seq(0, 4)); r = c.lock(m)
-    c.insert(seq(0, 4), c.alloc(2)); c.unlock(r)
+    m = c.match(seq(0, 4))
+    r = c.lock(m)
+    c.insert(seq(0, 4), c.alloc(2))
+    c.unlock(r)
     node = c.match(seq(0, 4)).path[-1]
     node.backing_up[0].wait()
     assert node.l2 is None                    # done but not consumed: not visible yet

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from engine.tokenizer import ByteTokenizer
+from engine.runtime.tokenizer import ByteTokenizer
 from formats.snapshot import NodeRecord as R
 from hicache_cli.app import app
 from tests.test_snapshot import BAD, small_records, t, write_small

@@ -3,9 +3,9 @@
 import pytest
 
 from checkers.invariants import assert_healthy
-from engine.l3 import SimulatedTier, StoreTier
+from engine.cache.l3 import SimulatedTier, StoreTier
 from engine.storage import L3Store, MemoryStoreConfig
-from engine.storage.memory import MemoryBackend
+from engine.storage.backends.memory import MemoryBackend
 from tests.factories import make_cache, serve
 
 

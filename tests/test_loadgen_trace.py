@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from engine.errors import InputError
+from engine.core.errors import InputError
 from engine.loadgen.trace import block_tokens, read_trace, request_tokens, trace_workload
 
 LINES = [

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.errors import InputError
-from engine.model import Chunk, load_model, preset, random_weights, save_hf
-from engine.model.config import from_hf_config
-from engine.pool import DevicePool
-from engine.tokenizer import ByteTokenizer
+from engine.cache.pool import DevicePool
+from engine.core.errors import InputError
+from engine.runtime.model import Chunk, load_model, preset, random_weights, save_hf
+from engine.runtime.model.config import from_hf_config
+from engine.runtime.tokenizer import ByteTokenizer
 
 PS = 16
 

@@ -8,9 +8,9 @@ import requests
 import torch
 
 from checkers.invariants import assert_healthy
-from engine.hicache import CacheConfig, HiCache
-from engine.model import Chunk, load_model
-from engine.serving import ServerConfig, start_server
+from engine.cache.facade import CacheConfig, HiCache
+from engine.runtime.model import Chunk, load_model
+from engine.runtime.serving import ServerConfig, start_server
 
 pytestmark = pytest.mark.gpu
 PS = 16

@@ -8,7 +8,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from engine.events import EventLog, RankInfo
+from engine.cache.events import EventLog, RankInfo
 from formats import ranklog as rl
 from formats import ranklog_compare as rc
 from formats.errors import FormatError

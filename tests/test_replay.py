@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engine.loadgen.trace import read_trace
-from engine.replay import ReplayConfig, replay, trace_tokens
+from engine.sim.replay import ReplayConfig, replay, trace_tokens
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "conversation_trace_head400.jsonl.gz")
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from checkers.invariants import assert_healthy
-from engine.errors import InputError
-from engine.hicache import CacheConfig, HiCache
-from engine.model import Model, load_model
-from engine.scheduler import FinishReason, SamplingParams, Scheduler, SchedulerConfig
+from engine.cache.facade import CacheConfig, HiCache
+from engine.core.errors import InputError
+from engine.runtime.model import Model, load_model
+from engine.runtime.scheduler import FinishReason, SamplingParams, Scheduler, SchedulerConfig
 
 PS = 16
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -80,9 +80,9 @@ def test_cached_prefix_gives_the_same_tokens(request, which, host_layout):
 def test_prefix_from_l3_storage_gives_the_same_tokens(tiny):
     """A second server with cold L1/L2 and the same store: the prefix comes from L3 (prefetch
     into L2, load-back into L1) and the greedy tokens still match a fresh computation."""
-    from engine.l3 import StoreTier
+    from engine.cache.l3 import StoreTier
     from engine.storage import L3Store, MemoryStoreConfig
-    from engine.storage.memory import MemoryBackend
+    from engine.storage.backends.memory import MemoryBackend
 
     backend = MemoryBackend(MemoryStoreConfig())
     first, second = make(tiny, l2=8192), make(tiny, l2=8192)

@@ -15,8 +15,8 @@ import pytest
 import requests
 
 from checkers.invariants import check_cache
-from engine.serving import ServerConfig, start_server
-from engine.snapshot import load_snapshot
+from engine.runtime.serving import ServerConfig, start_server
+from engine.snapshot.take import load_snapshot
 
 
 @pytest.fixture(scope="module")
@@ -309,8 +309,8 @@ def test_short_concurrent_load_has_no_5xx_and_flush_restores_the_pools():
         assert stats["evicted_l1_pages"] > 0 and stats["hit_l1_tokens"] > 0
         assert on_sched(h, lambda: check_cache(h.engine.cache, idle=True)) == []
         # spot-check outputs against a fresh, cache-less computation
-        from engine.scheduler import SamplingParams, Scheduler, SchedulerConfig
-        from engine.hicache import CacheConfig, HiCache
+        from engine.cache.facade import CacheConfig, HiCache
+        from engine.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig
 
         ref = Scheduler(h.engine.model, HiCache(CacheConfig(
             page_size=16, l1_tokens=2048, layout=h.engine.model.kv_layout(16))),

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from checkers.invariants import check_tree
-from engine.errors import InputError
-from engine import snapshot_views as sv
-from engine.snapshot import load_snapshot, snapshot_bytes, snapshot_of, write_snapshot
+from engine.core.errors import InputError
+from engine.snapshot import views as sv
+from engine.snapshot.take import load_snapshot, snapshot_bytes, snapshot_of, write_snapshot
 from formats import snapshot as fmt
 from formats.errors import FormatError
 from formats.snapshot import NodeRecord as R
@@ -312,8 +312,8 @@ def test_write_error_names_the_file_not_its_temporary(tmp_path):
 
 
 def test_header_records_the_l3_capacity_of_a_replay(tmp_path):
-    from engine.replay import ReplayConfig, replay
     from engine.loadgen.trace import TraceRecord
+    from engine.sim.replay import ReplayConfig, replay
 
     recs = [TraceRecord(0.0, 1024, 1, (0, 1)), TraceRecord(1.0, 1024, 1, (0, 2))]
     for l3, want in ((4096, 4096), (1000, 960), (-1, None)):
@@ -330,7 +330,7 @@ def _diff_counts(a, b) -> tuple:
 
 
 def test_diff_is_exact_when_page_hashes_collide(tmp_path, monkeypatch):
-    import engine.snapshot as es
+    import engine.snapshot.take as es
 
     a = load_snapshot(write_small(tmp_path / "a.snapshot"))
     recs = [r._replace(tokens=t(13, 16), l1=None) if r.id == 2 else r

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from engine.hashing import namespace_seed, page_hashes
-from engine.layout import KVLayout
-from engine.pool import HostPool
+from engine.cache.pool import HostPool
+from engine.core.hashing import namespace_seed, page_hashes
+from engine.core.layout import KVLayout
 from engine.storage import GetStatus, L3Store
+from engine.storage.backends.file import FileBackend
+from engine.storage.backends.memory import MemoryBackend
+from engine.storage.backends.mooncake import MooncakeBackend
 from engine.storage.config import FileStoreConfig
-from engine.storage.file import FileBackend
-from engine.storage.memory import MemoryBackend
-from engine.storage.mooncake import MooncakeBackend
 from formats.kvobject import KVObjectCodec
 from tests.mooncake_master import MooncakeMaster
 

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine.errors import StorageError
-from engine.hashing import page_hashes
-from engine.layout import KVLayout
-from engine.pool import HostPool
+from engine.cache.pool import HostPool
+from engine.core.errors import StorageError
+from engine.core.hashing import page_hashes
+from engine.core.layout import KVLayout
 from engine.storage import L3Store
+from engine.storage.backends.file import FileBackend
 from engine.storage.config import FileStoreConfig
-from engine.storage.file import FileBackend
 
 LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=8, page_size=4)
 REPO = Path(__file__).resolve().parents[1]
@@ -101,7 +101,7 @@ def test_usage_is_shared_and_survives_reopening(tmp_path):
 WORKER = r"""
 import hashlib, random, sys
 from engine.storage.config import FileStoreConfig
-from engine.storage.file import FileBackend
+from engine.storage.backends.file import FileBackend
 root, me, n, limit = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 b = FileBackend(FileStoreConfig(dir=root, size_limit_bytes=limit))
 def body(k):
@@ -144,7 +144,7 @@ def test_a_read_in_another_process_keeps_an_object_alive(tmp_path):
     for i in range(5):
         raw_put(b, f"obj{i}")
     code = ("from engine.storage.config import FileStoreConfig\n"
-            "from engine.storage.file import FileBackend\n"
+            "from engine.storage.backends.file import FileBackend\n"
             f"b = FileBackend(FileStoreConfig(dir={str(tmp_path)!r}))\n"
             "assert b.get(['obj0'], [[bytearray(1000)]]) == [1000]\n")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)

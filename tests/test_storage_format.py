@@ -9,12 +9,26 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.errors import InputError
-from engine.layout import KVLayout
-from engine.storage import (BackendKind, StorageConfig, check_key, coordinate, make_backend,
-                            model_id, object_key, parse_size)
-from formats.kvobject import (ALIGN, MAX_LAYOUT_BYTES, CorruptKVObject, KVLayoutMismatch,
-                              KVObjectCodec, parse_header)
+from engine.core.errors import InputError
+from engine.core.layout import KVLayout
+from engine.storage import (
+    BackendKind,
+    StorageConfig,
+    check_key,
+    coordinate,
+    make_backend,
+    model_id,
+    object_key,
+    parse_size,
+)
+from formats.kvobject import (
+    ALIGN,
+    MAX_LAYOUT_BYTES,
+    CorruptKVObject,
+    KVLayoutMismatch,
+    KVObjectCodec,
+    parse_header,
+)
 
 LAYOUT = KVLayout(num_layers=4, kv_heads=2, head_dim=64, page_size=64)
 H1, H2 = bytes(range(32)), bytes(range(1, 33))

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine.errors import StorageError
-from engine.hashing import namespace_seed, page_hashes
-from engine.layout import KVLayout
-from engine.pool import HostPool
+from engine.cache.pool import HostPool
+from engine.core.errors import StorageError
+from engine.core.hashing import namespace_seed, page_hashes
+from engine.core.layout import KVLayout
 from engine.storage import L3Store, StorageConfig, make_backend
+from engine.storage.backends.mooncake import MooncakeBackend
 from engine.storage.config import MooncakeStoreConfig
-from engine.storage.mooncake import MooncakeBackend
 from tests.mooncake_master import MooncakeMaster, free_port
 
 LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=8, page_size=4)

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.hashing import namespace_seed, page_hashes
-from engine.layout import KVLayout
-from engine.pool import HostPool
+from engine.cache.pool import HostPool
+from engine.core.hashing import namespace_seed, page_hashes
+from engine.core.layout import KVLayout
 from engine.storage import L3Store
-from engine.storage.memory import MemoryBackend
+from engine.storage.backends.memory import MemoryBackend
 from formats.kvobject import CorruptKVObject, KVObjectCodec
 
 LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=8, page_size=4)   # 1 KiB pages

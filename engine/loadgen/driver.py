@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from engine.errors import InputError
+from engine.core.errors import InputError
 from engine.loadgen.workloads import RequestSpec, Session, Workload
 
 
@@ -67,7 +67,7 @@ def normalize_url(url: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"invalid server URL {url!r}; expected http://HOST:PORT")
     try:
-        parts.port
+        _ = parts.port
     except ValueError:
         raise ValueError(f"invalid port in server URL {url!r}") from None
     return url.rstrip("/")

@@ -20,9 +20,10 @@ import io
 import json
 import math
 import os
+
 import numpy as np
 
-from engine.errors import InputError
+from engine.core.errors import InputError
 from engine.loadgen.workloads import DEFAULT_VOCAB, RequestSpec, Workload
 
 TRACE_BLOCK = 512

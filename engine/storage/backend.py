@@ -9,7 +9,7 @@ backend allows it; Mooncake needs the memory registered with :meth:`register_mem
 Data-path failures never raise: ``exists`` answers ``False``, ``get`` a negative
 :class:`GetStatus`, ``put`` ``False``, and the backend counts them (``health()``). Caller misuse
 (unsafe key, mismatched lengths) is a ``ValueError``; a backend that cannot start raises
-:class:`engine.errors.StorageError` from its constructor.
+:class:`engine.core.errors.StorageError` from its constructor.
 """
 
 from __future__ import annotations
@@ -136,9 +136,9 @@ class Counters:
 # kind -> "module:Class"; the class has ``from_config(StorageConfig)``. Modules are imported on
 # use, so importing engine.storage never loads a backend's native libraries.
 _REGISTRY: dict[BackendKind, str] = {
-    BackendKind.MEMORY: "engine.storage.memory:MemoryBackend",
-    BackendKind.FILE: "engine.storage.file:FileBackend",
-    BackendKind.MOONCAKE: "engine.storage.mooncake:MooncakeBackend",
+    BackendKind.MEMORY: "engine.storage.backends.memory:MemoryBackend",
+    BackendKind.FILE: "engine.storage.backends.file:FileBackend",
+    BackendKind.MOONCAKE: "engine.storage.backends.mooncake:MooncakeBackend",
 }
 
 
@@ -148,6 +148,6 @@ def backend_class(kind: "BackendKind | str") -> type:
 
 
 def make_backend(config: StorageConfig) -> StorageBackend:
-    """Construct the configured backend; raises :class:`engine.errors.StorageError` when it
+    """Construct the configured backend; raises :class:`engine.core.errors.StorageError` when it
     cannot start (the caller then runs with L3 off)."""
     return backend_class(config.backend).from_config(config)

@@ -19,8 +19,8 @@ import os
 import re
 from typing import Any
 
-from engine.choices import Choice
-from engine.errors import InputError
+from engine.core.choices import Choice
+from engine.core.errors import InputError
 
 MAX_CONFIG_BYTES = 1 << 20
 

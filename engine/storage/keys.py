@@ -2,7 +2,7 @@
 
 ``<page hash, 64 hex>.<model id, 16 hex>.l<first>-<end>.h<first>-<end>``
 
-* the chained page hash (:mod:`engine.hashing`) names the page and its whole prefix (a namespace
+* the chained page hash (:mod:`engine.core.hashing`) names the page and its whole prefix (a namespace
   seeds the chain, so namespaces never share keys);
 * the model id is a digest of the model-wide dims (total layers and kv-heads, head dim, page
   size, dtype, K/V kinds, byte order, plus an optional model tag), so different models or dtypes
@@ -21,8 +21,8 @@ import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:   # keys need no torch at run time (the file store's workers stay light)
-    from engine.hashing import PageHash
-    from engine.layout import KVLayout
+    from engine.core.hashing import PageHash
+    from engine.core.layout import KVLayout
 
 KEY_MAX_LEN = 200
 _SAFE_KEY = re.compile(r"^[0-9a-z][0-9a-z._-]{3,%d}$" % (KEY_MAX_LEN - 1))

@@ -42,9 +42,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from engine.hashing import PageHash
-from engine.layout import KVLayout
-from engine.pool import HostLayout, HostPool
+from engine.cache.pool import HostLayout, HostPool
+from engine.core.hashing import PageHash
+from engine.core.layout import KVLayout
 from engine.storage.backend import Counters, GetStatus, StorageBackend, make_backend
 from engine.storage.config import StorageConfig
 from engine.storage.keys import coordinate, object_key

@@ -1,6 +1,6 @@
 """``hicache bench`` with no sub-command: the all-in-one comparison.
 
-Starts the benchmark server in-process (``engine.serving.start_server``) on a free 127.0.0.1
+Starts the benchmark server in-process (``engine.runtime.serving.start_server``) on a free 127.0.0.1
 port, runs the default multi-turn workload against it with L1 only (``--l2-tokens 0``), restarts
 it with HiCache (the same L1 plus L2, plus a file-backed L3 in a temporary directory when the
 server offers one) and prints both runs side by side. The server is always stopped — on success,
@@ -21,7 +21,7 @@ from typing import Iterator
 
 import typer
 
-from engine.errors import HiCacheError
+from engine.core.errors import HiCacheError
 from engine.loadgen.driver import LoadConfig
 from engine.loadgen.report import summarize_result
 from engine.loadgen.workloads import ConversationConfig, multiturn
@@ -50,7 +50,7 @@ class MainJobConfig:
 
 def storage_fields() -> dict[str, str] | None:
     """``ServerConfig`` field names for a file L3 (backend, directory), if the server has one."""
-    from engine.serving import ServerConfig
+    from engine.runtime.serving import ServerConfig
 
     names = {f.name for f in dataclasses.fields(ServerConfig)}
     for backend, directory in (("hicache_storage_backend", "hicache_storage_dir"),
@@ -61,7 +61,7 @@ def storage_fields() -> dict[str, str] | None:
 
 
 def server_config(cfg: MainJobConfig, hicache: bool, storage_dir: str | None):
-    from engine.serving import ServerConfig
+    from engine.runtime.serving import ServerConfig
 
     extra = {}
     fields = storage_fields()
@@ -75,7 +75,7 @@ def server_config(cfg: MainJobConfig, hicache: bool, storage_dir: str | None):
 @contextlib.contextmanager
 def embedded_server(server_cfg, label: str) -> Iterator[str]:
     """Start the benchmark server in-process on a free 127.0.0.1 port; always stop it."""
-    from engine.serving import start_server
+    from engine.runtime.serving import start_server
 
     try:
         handle = start_server(server_cfg)
@@ -90,8 +90,8 @@ def embedded_server(server_cfg, label: str) -> Iterator[str]:
 def check_config(cfg: MainJobConfig) -> None:
     """Usage errors (``ValueError``) before anything starts: the device, and a last round that
     could never fit in L1 (the server would refuse it with HTTP 400 in both runs)."""
-    from engine.device import resolve_device
-    from engine.serving import ServerConfig
+    from engine.core.device import resolve_device
+    from engine.runtime.serving import ServerConfig
 
     resolve_device(cfg.device)
     shape = ConversationConfig(num_clients=cfg.num_clients, num_rounds=cfg.num_rounds,

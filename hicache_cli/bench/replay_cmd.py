@@ -58,8 +58,8 @@ def _check_output_path(name: str, path: Optional[Path], directory: bool = False)
 
 
 def _replay(records, cfg, **kwargs):
-    """``engine.replay.replay``; tier sizes too large for this machine's memory are one line."""
-    from engine.replay import replay
+    """``engine.sim.replay.replay``; tier sizes too large for this machine's memory are one line."""
+    from engine.sim.replay import replay
 
     try:
         return replay(records, cfg, **kwargs)
@@ -123,9 +123,9 @@ def register(bench_app: typer.Typer) -> None:
 
         Example: hicache bench replay trace.jsonl.gz --page-size 64 --l1-tokens 5120000
         """
+        from engine.cache.policy import policy_names
         from engine.loadgen.trace import read_trace
-        from engine.policy import policy_names
-        from engine.replay import ReplayConfig
+        from engine.sim.replay import ReplayConfig
 
         _positive("--page-size", page_size, allow_zero=False)
         _positive("--l1-tokens", l1_tokens, allow_zero=False)
@@ -199,10 +199,8 @@ def register(bench_app: typer.Typer) -> None:
                            l3_tokens=l3_tokens, policy=policy, write_policy=write_policy, limit=limit,
                            events=not no_events)
         n = len(records) if limit is None else min(limit, len(records))
-        from engine.events import EventLog
-
-        from engine.divergence import install
-        from engine.events import RankInfo
+        from engine.cache.events import EventLog, RankInfo
+        from engine.parallel.divergence import install
 
         if not 0 <= rank < world_size:
             fail(f"--rank must be in [0, --world-size), got rank {rank} of {world_size}", code=2)
@@ -213,8 +211,7 @@ def register(bench_app: typer.Typer) -> None:
             install(events, inject_divergence)
         keep = dump_tree is not None
         if show_progress:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, \
-                TimeRemainingColumn
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
             with Progress("[progress.description]{task.description}", BarColumn(),
                           MofNCompleteColumn(), TimeRemainingColumn(), console=stderr,
@@ -238,7 +235,7 @@ def register(bench_app: typer.Typer) -> None:
             events.write(str(path))
             out["rank_log"] = str(path)
         if dump_tree is not None:
-            from engine.snapshot import write_snapshot
+            from engine.snapshot.take import write_snapshot
 
             write_snapshot(str(dump_tree), cache, meta={"source": "bench replay",
                                                         "trace": str(trace)})
@@ -251,9 +248,9 @@ def register(bench_app: typer.Typer) -> None:
 
 def _multi_rank(trace: Path, ranks: int, cfg, rank_log_dir: Optional[Path], every: int,
                 inject: Optional[str], fmt: OutputFormat, dump_dir: Optional[Path]) -> None:
-    from engine.divergence import parse_spec
     from engine.loadgen.trace import read_trace
-    from engine.replay_ranks import RankRun, replay_ranks
+    from engine.parallel.divergence import parse_spec
+    from engine.sim.replay_ranks import RankRun, replay_ranks
     from hicache_cli.output import EXIT_CHECK, EXIT_ERROR
 
     read_trace(str(trace), cfg.limit)        # fail fast, in this process, on a bad trace

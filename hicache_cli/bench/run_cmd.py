@@ -10,8 +10,14 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from engine.loadgen.driver import (LoadConfig, LoadResult, RequestRecord, records_as_columns,
-                                   run_load, server_info)
+from engine.loadgen.driver import (
+    LoadConfig,
+    LoadResult,
+    RequestRecord,
+    records_as_columns,
+    run_load,
+    server_info,
+)
 from engine.loadgen.report import TIERS, summarize_result
 from engine.loadgen.trace import TRACE_BLOCK, trace_workload
 from engine.loadgen.workloads import AGENTIC_CPU, AGENTIC_GPU, DEFAULT_VOCAB, Workload, agentic, multiturn
@@ -156,10 +162,12 @@ def register(app: typer.Typer) -> None:
         workload: str = typer.Option("multiturn", "--workload", "-w",
                                      help="multiturn | agentic | trace:PATH (Mooncake JSONL or .gz)."),
         num_clients: Optional[int] = typer.Option(None, min=1, help="Clients (default: multiturn 8, agentic 4)."),
-        num_rounds: Optional[int] = typer.Option(None, min=1, help="Rounds per client (default: multiturn 4, agentic 8, CPU 6)."),
+        num_rounds: Optional[int] = typer.Option(
+            None, min=1, help="Rounds per client (default: multiturn 4, agentic 8, CPU 6)."),
         request_length: Optional[int] = typer.Option(
             None, min=1, help="New tokens per round (default: multiturn 256; agentic tool output 1024, CPU 128)."),
-        output_length: Optional[int] = typer.Option(None, min=0, help="Tokens generated per request (default: multiturn 16, agentic 128, CPU 16)."),
+        output_length: Optional[int] = typer.Option(
+            None, min=0, help="Tokens generated per request (default: multiturn 16, agentic 128, CPU 16)."),
         context_length: Optional[int] = typer.Option(
             None, min=2, help="agentic: first-turn prompt tokens (default 32768; 1536 when the server runs on CPU)."),
         system_length: Optional[int] = typer.Option(
@@ -177,7 +185,8 @@ def register(app: typer.Typer) -> None:
         stream: bool = typer.Option(False, "--stream/--no-stream", help="Stream responses; adds client-side TTFT."),
         timeout: float = typer.Option(600.0, help="Seconds one request may take."),
         fmt: OutputFormat = typer.Option(OutputFormat.human, "--format", help="human | json."),
-        output: Optional[str] = typer.Option(None, "--output", "-o", help="Write one row per request to this .parquet file."),
+        output: Optional[str] = typer.Option(
+            None, "--output", "-o", help="Write one row per request to this .parquet file."),
     ) -> None:
         """Send a workload to a running server (hicache bench serve, or SGLang) and report TTFT,
         queue time, throughput and hit rate per cache tier."""

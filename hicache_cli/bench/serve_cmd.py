@@ -124,7 +124,7 @@ def register(bench_app: typer.Typer) -> None:
         # collapse when another process, e.g. the load generator, shares the cores (measured:
         # 2 instead of 80 decode steps/s on 2 busy cores); passive waiting keeps the speed-up.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        from engine.serving import Engine, ServerConfig, serve
+        from engine.runtime.serving import Engine, ServerConfig, serve
 
         logging.basicConfig(level=log_level.value.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -156,7 +156,7 @@ def register(bench_app: typer.Typer) -> None:
 
         dump_path: Optional[Path] = None
         if dump_tree_on_exit is not None:   # settle (and check) the destination before serving
-            from engine.snapshot import snapshot_filename
+            from engine.snapshot.take import snapshot_filename
 
             dump_path = Path(dump_tree_on_exit)
             if dump_tree_on_exit.endswith(("/", os.sep)) or dump_path.is_dir():
@@ -168,7 +168,7 @@ def register(bench_app: typer.Typer) -> None:
 
         def on_exit(engine: Engine) -> None:
             if dump_path is not None:
-                from engine.snapshot import write_snapshot
+                from engine.snapshot.take import write_snapshot
 
                 n = write_snapshot(dump_path, engine.cache,
                                    {"model": engine.model_name, "source": "bench serve"})

@@ -1,0 +1,557 @@
+"""The HiCache facade: one object the scheduler, the replay and the CLI talk to.
+
+``match`` → ``lock`` → ``load_back`` → ``alloc`` → (compute) → ``insert`` → ``unlock``, with
+``poll`` once per scheduler step to commit finished transfers. Callers never walk nodes; they
+get :class:`MatchResult` and :class:`LockReceipt` values back. Every decision is an explicit
+step that emits one event on :class:`~engine.cache.events.EventLog` (SPEC §2.2, §2.6).
+
+Tiers: L1 device pool, L2 host pool, L3 external store (wired by :mod:`engine.cache.l3`). L1
+residency is prefix-closed; a node evicted from L1 that is backed up in L2 stays in the tree
+and is loaded back on a hit; L2 eviction removes leaves that are not on L1.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+from typing import Any, Sequence
+
+import numpy as np
+
+from engine.cache.allocator import PageAllocator
+from engine.cache.events import EventLog
+from engine.cache.l3 import StorageOps
+from engine.cache.policy import EvictionPolicy, make_policy
+from engine.cache.pool import DevicePool, HostPool
+from engine.cache.radix_tree import Node, RadixTree
+from engine.cache.transfer import OpKind, TransferEngine, TransferOp
+from engine.cache.types import CacheConfig, LoadHandle, LockReceipt, MatchResult, WritePolicy, as_tokens  # noqa: F401 (re-exported)
+from engine.core.device import resolve_device
+from engine.core.errors import OutOfCapacity
+
+
+class HiCache(StorageOps):
+    """The cache stack of one rank (see the module docstring and docs/engine-api.md)."""
+
+    def __init__(self, config: CacheConfig, events: EventLog | None = None,
+                 policy: EvictionPolicy | None = None):
+        self.config = config
+        self.page_size = p = config.page_size
+        self.write_policy = WritePolicy.parse(config.write_policy)
+        self.events = events if events is not None else EventLog(enabled=config.events)
+        self.policy = policy or make_policy(config.eviction_policy, **config.policy_kwargs)
+        self.tree = RadixTree(p)
+        self.device = resolve_device(config.device) if config.layout is not None else "cpu"
+        if config.layout is not None:
+            self.l1: DevicePool | None = DevicePool(config.layout, config.l1_pages, self.device)
+            self.l1_alloc = self.l1.allocator
+            pin = self.device.startswith("cuda")
+            self.l2: HostPool | None = (HostPool(config.layout, config.l2_pages,
+                                                 config.host_layout, pin=pin)
+                                        if config.l2_pages else None)
+            self.l2_alloc = self.l2.allocator if self.l2 is not None else None
+            self.num_layers = config.layout.num_layers
+        else:
+            self.l1 = None
+            self.l2 = None
+            self.l1_alloc = PageAllocator(config.l1_pages, p, name="L1", strict=False)
+            self.l2_alloc = (PageAllocator(config.l2_pages, p, name="L2", strict=False)
+                             if config.l2_pages else None)
+            self.num_layers = 1
+        self.transfers = TransferEngine(self.device)
+        self.l3 = None  # an engine.cache.l3.L3Tier when external storage is configured
+        self._inflight: dict[OpKind, collections.deque[TransferOp]] = {
+            k: collections.deque() for k in OpKind}
+        self._heap_l1: list = []
+        self._heap_l2: list = []
+        self._heap_seq = 0
+        self.counters: collections.Counter = collections.Counter()
+
+    def attach_l3(self, impl, prefetch_policy: str = "wait_complete",
+                  prefetch_timeout: float = 1.0) -> None:
+        """Add the L3 tier (``engine.cache.l3.StoreTier`` or ``SimulatedTier``); needs an L2."""
+        from engine.cache.l3 import L3Tier
+
+        if self.l2_alloc is None:
+            raise ValueError("an L3 store needs an L2 host pool (set l2_tokens > 0)")
+        self.l3 = L3Tier(impl, self.page_size, prefetch_policy, prefetch_timeout)
+
+    # ------------------------------------------------------------------ match / lock
+    def match(self, tokens: Sequence[int] | np.ndarray, namespace: str | None = None,
+              rid: Any = None, priority: int = 0) -> MatchResult:
+        toks = as_tokens(tokens)
+        tree = self.tree
+        path, _ = tree.walk(toks, namespace)
+        push = self._push_candidate
+        n1 = -1                            # path[:n1] is the L1 hit (set at the first non-L1)
+        l1_len = l2_len = 0
+        for i, node in enumerate(path):
+            tree.clock += 1
+            node.last_access = tree.clock
+            node.hit_count += 1
+            if priority > node.priority:
+                node.priority = priority
+            if not node.lock_ref and (node.l2 is not None or not node.n_l1_children):
+                push(node)                 # only nodes that can be eviction candidates
+            if n1 < 0 and (node.l1 is None or (node.loading is not None
+                                               and not node.loading.done())):
+                n1 = i
+            if n1 < 0:
+                l1_len += len(node.tokens)
+            else:
+                assert node.l2 is not None, f"{node!r} past the L1 prefix is not in L2"
+                l2_len += len(node.tokens)
+        if n1 < 0:
+            n1 = len(path)
+        if tree.split_lower is not None:
+            tree.clock += 1
+            tree.split_lower.last_access = tree.clock
+            push(tree.split_lower)
+        l3_len = 0
+        hashes: list = []
+        if self.l3 is not None:
+            hashes = self.l3.hashes(toks, namespace)
+            start = (l1_len + l2_len) // self.page_size
+            if start < len(hashes):
+                l3_len = self._l3_prefetch(path, toks, namespace, hashes, start, rid) \
+                    * self.page_size
+        l1_pages = (np.concatenate([n.l1 for n in path[:n1]]) if n1
+                    else np.empty(0, dtype=np.int64))
+        m = MatchResult(rid, namespace, l1_len, l2_len, l3_len, l1_pages, path, n1,
+                        hashes=hashes)
+        c = self.counters
+        c["match_tokens"] += len(toks)
+        c["hit_l1_tokens"] += l1_len
+        c["hit_l2_tokens"] += l2_len
+        c["hit_l3_tokens"] += l3_len
+        self.events.emit("match", rid=rid, l1_len=l1_len, l2_len=l2_len, l3_len=l3_len)
+        if self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE and self.l2_alloc:
+            hot = [n for n in path[:n1] if n.l2 is None and n.backing_up is None
+                   and n.hit_count >= self.config.write_through_threshold]
+            if hot:
+                self._backup(hot)
+        return m
+
+    def lock(self, m: MatchResult) -> LockReceipt:
+        node = m.path[-1] if m.path else None
+        n = node
+        while n is not None and n.parent is not None:
+            n.lock_ref += 1
+            n = n.parent
+        self.events.emit("lock", rid=m.rid, node=node.id if node else None)
+        return LockReceipt(node, m.rid)
+
+    def unlock(self, receipt: LockReceipt) -> None:
+        node = receipt.node
+        self.events.emit("unlock", rid=receipt.rid, node=node.id if node else None)
+        n = node
+        while n is not None and n.parent is not None:
+            assert n.lock_ref > 0, f"unlock of {n!r} below zero (rid {receipt.rid})"
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                self._push_candidate(n)
+            n = n.parent
+
+    # ------------------------------------------------------------------ load-back L2 -> L1
+    def load_back(self, m: MatchResult) -> LoadHandle | None:
+        """Make the L2 part of ``m`` L1-resident. ``m`` must be locked by the caller."""
+        todo = m.path[m.n_l1_nodes:]
+        if not todo:
+            return None
+        assert todo[-1].lock_ref > 0, "load_back of an unlocked match"
+        ops: list[TransferOp] = []
+        fresh: list[Node] = []
+        pages_parts = [m.l1_pages]
+        loaded = 0
+        for node in todo:
+            if node.l1 is not None:            # being loaded by another request
+                assert node.loading is not None
+                if node.loading not in ops:
+                    ops.append(node.loading)
+            else:
+                fresh.append(node)
+        need = sum(len(n.tokens) for n in fresh) // self.page_size
+        if need:
+            try:
+                new_pages = self.alloc(need)
+            except OutOfCapacity:
+                # No room even after eviction: nothing is loaded, the caller recomputes.
+                self.counters["loadback_no_room"] += 1
+                m.load = LoadHandle([])
+                return m.load
+            src = np.concatenate([n.l2 for n in fresh])
+            op = self.transfers.new_op(OpKind.LOAD, self.l2, src, self.l1, new_pages,
+                                       self.num_layers, payload=list(fresh))
+            off = 0
+            for node in fresh:
+                k = len(node.tokens) // self.page_size
+                node.l1 = new_pages[off:off + k]
+                node.loading = op
+                node.parent.n_l1_children += 1
+                off += k
+            self.events.emit("restore", op=op.op_id, rid=m.rid, pages=int(need))
+            self.counters["loadback_pages"] += need
+            self.counters["loadback_ops"] += 1
+            self._inflight[OpKind.LOAD].append(op)
+            self.transfers.submit(op)
+            ops.append(op)
+        for node in todo:
+            pages_parts.append(node.l1)
+            loaded += len(node.tokens)
+        m.l1_pages = np.concatenate(pages_parts)
+        m.loaded_len = loaded
+        m.load = LoadHandle(ops)
+        return m.load
+
+    # ------------------------------------------------------------------ L1 allocation
+    def alloc(self, n_pages: int) -> np.ndarray:
+        short = n_pages - self.l1_alloc.free_pages
+        if short > 0:
+            self.evict_l1(short)
+        return self.l1_alloc.alloc(n_pages)
+
+    def free(self, pages: np.ndarray) -> None:
+        self.l1_alloc.free(pages)
+
+    # ------------------------------------------------------------------ insert
+    def insert(self, tokens: Sequence[int] | np.ndarray, pages: np.ndarray,
+               namespace: str | None = None, rid: Any = None, priority: int = 0,
+               prefix_hashes: Sequence = (), after: "LockReceipt | None" = None
+               ) -> Node | None:
+        """Take ownership of ``pages`` (one L1 page per full page of ``tokens``).
+
+        The tree may keep a view of ``tokens`` (a uint32 array is not copied): do not modify
+        the array afterwards.
+
+        ``prefix_hashes`` (``MatchResult.hashes``) saves rehashing the matched prefix when an
+        L3 tier needs page hashes. ``after``: the still-held receipt of this request's match —
+        its node is a prefix of ``tokens`` and cannot have left the tree, so the walk resumes
+        there instead of at the root."""
+        p = self.page_size
+        toks = as_tokens(tokens)
+        n_full = len(toks) // p
+        pages = np.asarray(pages, dtype=np.int64)
+        if len(pages) != n_full:
+            raise ValueError(f"insert needs {n_full} pages for {len(toks)} tokens, "
+                             f"got {len(pages)}")
+        toks = toks[:n_full * p]
+        start = after.node if after is not None else None
+        if start is not None:
+            assert start.lock_ref > 0 and start.namespace == namespace, "stale insert hint"
+        path, pos = self.tree.walk(toks, namespace, start=start)
+        tick = self.tree.tick
+        off = 0
+        revived: list[Node] = []
+        dup_parts = []
+        for node in path:
+            k = len(node.tokens) // p
+            mine = pages[off:off + k]
+            if node.l1 is None:
+                node.l1 = mine.copy()
+                node.parent.n_l1_children += 1
+                revived.append(node)
+            else:
+                dup_parts.append(mine[mine != node.l1])
+            node.last_access = tick()
+            if priority > node.priority:
+                node.priority = priority
+            self._push_candidate(node)
+            off += k
+        if dup_parts:
+            dups = np.concatenate(dup_parts)
+            if dups.size:
+                self.l1_alloc.free(dups)
+        last = path[-1] if path else self.tree.root(namespace)
+        new_node = None
+        if pos < len(toks):
+            parent = last
+            suffix = toks[pos:]
+            if 2 * len(suffix) < len(toks):
+                # A view would keep the whole (mostly cached) prompt alive: copy the new part.
+                # Otherwise the view wastes less than the node's own size — no copy needed.
+                suffix = suffix.copy()
+            new_node = self.tree.add_child(parent, suffix)
+            new_node.l1 = pages[off:].copy()
+            new_node.last_access = tick()
+            new_node.priority = priority
+            parent.n_l1_children += 1
+            self._push_candidate(new_node)
+            last = new_node
+        if self.l3 is not None:
+            full_path = path + ([new_node] if new_node is not None else [])
+            self._assign_hashes(full_path, self.l3.hashes(toks, namespace, prefix_hashes))
+        self.events.emit("insert", rid=rid, node=last.id if last.parent else None,
+                         tokens=int(len(toks)), new_tokens=int(len(toks) - pos))
+        if self.l2_alloc is not None and self.write_policy is WritePolicy.WRITE_THROUGH \
+                and new_node is not None:
+            self._backup([new_node])
+        return last if last.parent is not None else None
+
+    # ------------------------------------------------------------------ backup L1 -> L2
+    def _backup(self, nodes: list[Node], sync: bool = False) -> bool:
+        """Issue L1->L2 copies for ``nodes`` (all L1-resident, not in L2). False if no room."""
+        p = self.page_size
+        need = sum(len(n.tokens) for n in nodes) // p
+        short = need - self.l2_alloc.free_pages
+        if short > 0:
+            self.evict_l2(short)
+            if need > self.l2_alloc.free_pages:
+                self.counters["backup_no_room"] += 1
+                return False
+        dst = self.l2_alloc.alloc(need)
+        src = np.concatenate([n.l1 for n in nodes])
+        op = self.transfers.new_op(OpKind.BACKUP, self.l1, src, self.l2, dst, self.num_layers,
+                                   payload=list(nodes))
+        off = 0
+        for node in nodes:
+            node.backing_up = (op, off)
+            off += len(node.tokens) // p
+        self.events.emit("backup", op=op.op_id, pages=int(need))
+        self.counters["backup_pages"] += need
+        self._inflight[OpKind.BACKUP].append(op)
+        self.transfers.submit(op)
+        if sync:
+            op.wait()
+            self._drain(OpKind.BACKUP, until=op)
+        return True
+
+    # ------------------------------------------------------------------ completion
+    def poll(self, limits: dict | None = None) -> dict[str, int]:
+        """Commit finished transfers in submission order; returns how many per queue.
+
+        ``limits`` (queue name → count) consumes exactly that many, waiting for local
+        completion if needed — the PP stage protocol (SPEC §2.2).
+        """
+        if limits is None and self.l3 is None and not any(self._inflight.values()):
+            return {}
+        out = {}
+        for kind, q in self._inflight.items():
+            if limits is not None and kind.value in limits:
+                want = limits[kind.value]
+                n = 0
+                while n < want:
+                    assert q, f"asked to consume {want} {kind.value} ACKs, {n} in flight"
+                    q[0].wait()
+                    self._complete(q.popleft())
+                    n += 1
+            else:
+                n = 0
+                while q and q[0].done():
+                    self._complete(q.popleft())
+                    n += 1
+            out[kind.value] = n
+        if self.l3 is not None:
+            out["storage"] = self._l3_poll()
+        return out
+
+    def _inflight_ops(self, kind: str) -> list[TransferOp]:
+        return list(self._inflight[OpKind(kind)])
+
+    def ready_count(self, kind: str) -> int:
+        """How many leading ops of a queue are locally complete (what a rank can ACK)."""
+        n = 0
+        for op in self._inflight[OpKind(kind)]:
+            if not op.done():
+                break
+            n += 1
+        return n
+
+    def _drain(self, kind: OpKind, until: TransferOp) -> None:
+        q = self._inflight[kind]
+        while q:
+            op = q.popleft()
+            op.wait()
+            self._complete(op)
+            if op is until:
+                return
+
+    def wait_all(self) -> None:
+        for q in self._inflight.values():
+            while q:
+                op = q.popleft()
+                op.wait()
+                self._complete(op)
+        if self.l3 is not None:
+            self.l3.wait_all()
+            self._l3_poll()
+
+    def _complete(self, op: TransferOp) -> None:
+        if op.kind is OpKind.LOAD:
+            for node in op.payload:
+                if node.loading is op:
+                    node.loading = None
+                    self._push_candidate(node)
+            self.events.emit("restore_done", op=op.op_id)
+        elif op.kind is OpKind.BACKUP:
+            p = self.page_size
+            claimed = np.zeros(len(op.dst_pages), dtype=bool)
+            for node in op.payload:
+                if node.backing_up is None or node.backing_up[0] is not op:
+                    continue
+                start = node.backing_up[1]
+                k = len(node.tokens) // p
+                node.backing_up = None
+                if node.parent is None or op.failed:
+                    continue
+                node.l2 = op.dst_pages[start:start + k]
+                claimed[start:start + k] = True
+                self._push_candidate(node)
+                if self.l3 is not None and node.l3 < k:
+                    self._l3_put(node)
+            if not claimed.all():
+                self.l2_alloc.free(op.dst_pages[~claimed])
+            self.events.emit("backup_done", op=op.op_id)
+
+    # ------------------------------------------------------------------ eviction
+    def _push_candidate(self, node: Node) -> None:
+        if node.parent is None or node.lock_ref:
+            return
+        if node.l1 is not None and node.n_l1_children == 0:
+            self._heap_seq += 1
+            heapq.heappush(self._heap_l1, (self.policy.key(node), self._heap_seq, node))
+        if node.l2 is not None and (node.l1 is not None or not node.children):
+            self._heap_seq += 1
+            heapq.heappush(self._heap_l2, (self.policy.key(node), self._heap_seq, node))
+
+    @staticmethod
+    def _l1_candidate(node: Node) -> bool:
+        return (node.parent is not None and node.l1 is not None and node.lock_ref == 0
+                and node.n_l1_children == 0 and node.loading is None)
+
+    @staticmethod
+    def _l2_candidate(node: Node) -> bool:
+        """An L2 copy that may go: a leaf living only in L2 (the node goes with it), or the
+        backup copy of a node that stays on L1."""
+        return (node.parent is not None and node.l2 is not None and node.lock_ref == 0
+                and node.backing_up is None and node.loading is None
+                and (node.l1 is not None or not node.children))
+
+    def _rebuild_heap(self, tier: str) -> None:
+        check = self._l1_candidate if tier == "l1" else self._l2_candidate
+        heap = []
+        for node in self.tree.iter_nodes():
+            if check(node):
+                self._heap_seq += 1
+                heap.append((self.policy.key(node), self._heap_seq, node))
+        heapq.heapify(heap)
+        if tier == "l1":
+            self._heap_l1 = heap
+        else:
+            self._heap_l2 = heap
+
+    def _evict(self, tier: str, n_pages: int, evict_one) -> int:
+        """The leaf-first loop both tiers share: pop candidates in policy order, skip stale
+        heap entries, let ``evict_one`` free a node's pages (False: it could not), and record
+        one ``evict`` event."""
+        is_candidate = self._l1_candidate if tier == "l1" else self._l2_candidate
+        heap_name = "_heap_l1" if tier == "l1" else "_heap_l2"
+        key = self.policy.key
+        freed = 0
+        eligible: list[int] = []
+        evicted: list[int] = []
+        rebuilt = False
+        while freed < n_pages:
+            heap = getattr(self, heap_name)
+            if not heap:
+                if rebuilt:
+                    break
+                self._rebuild_heap(tier)
+                rebuilt = True
+                continue
+            k, _, node = heapq.heappop(heap)
+            if not is_candidate(node) or key(node) != k:
+                continue
+            eligible.append(node.id)
+            pages = len(node.tokens) // self.page_size
+            if not evict_one(node):
+                continue
+            evicted.append(node.id)
+            freed += pages
+        if len(getattr(self, heap_name)) > 4 * self.tree.num_nodes + 4096:
+            self._rebuild_heap(tier)
+        if eligible:
+            self.events.emit("evict", tier=tier, eligible=eligible, evicted=evicted)
+            self.counters[f"evicted_{tier}_pages"] += freed
+        return freed
+
+    def evict_l1(self, n_pages: int) -> int:
+        """Free at least ``n_pages`` L1 pages if possible (leaf-first, policy order)."""
+        return self._evict("l1", n_pages, self._evict_l1_node)
+
+    def _evict_l1_node(self, node: Node) -> bool:
+        if node.l2 is None and node.backing_up is not None:
+            self._drain(OpKind.BACKUP, until=node.backing_up[0])
+        if node.l2 is None and self.l2_alloc is not None and (
+                self.write_policy is WritePolicy.WRITE_BACK or node.children):
+            self._backup([node], sync=True)
+        parent = node.parent
+        if node.l2 is not None:            # backed up: the node stays, L2-only
+            self.l1_alloc.free(node.l1)
+            node.l1 = None
+            self._push_candidate(node)
+        elif not node.children:            # nowhere else: the node leaves the tree
+            self.l1_alloc.free(node.l1)
+            node.l1 = None
+            self.tree.remove_leaf(node)
+        else:
+            return False
+        parent.n_l1_children -= 1
+        self._push_candidate(parent)
+        return True
+
+    def evict_l2(self, n_pages: int) -> int:
+        return self._evict("l2", n_pages, self._evict_l2_node)
+
+    def _evict_l2_node(self, node: Node) -> bool:
+        if self.l3 is not None and node.l3 < len(node.tokens) // self.page_size:
+            self._l3_put(node, sync=True)
+        parent = node.parent
+        self.l2_alloc.free(node.l2)
+        node.l2 = None
+        if node.l1 is None:                # an L2-only leaf leaves the tree
+            self.tree.remove_leaf(node)
+            self._push_candidate(parent)
+        return True
+
+    def flush(self) -> None:
+        """Drop every unlocked page in every tier (locked KV stays)."""
+        self.wait_all()
+        self.evict_l1(1 << 62)
+        if self.l2_alloc is not None:
+            self.evict_l2(1 << 62)
+        self.events.emit("flush")
+
+    # ------------------------------------------------------------------ reporting
+    def stats(self) -> dict[str, Any]:
+        p = self.page_size
+        c = self.counters
+        total = c["match_tokens"]
+        nodes = list(self.tree.iter_nodes())
+        locked = sum(len(n.tokens) for n in nodes if n.lock_ref > 0 and n.l1 is not None)
+        return {
+            "page_size": p,
+            "nodes": self.tree.num_nodes,
+            "l1_capacity_tokens": self.l1_alloc.num_pages * p,
+            "l1_used_tokens": self.l1_alloc.used_pages * p,
+            "l1_locked_tokens": locked,
+            "l2_capacity_tokens": self.l2_alloc.num_pages * p if self.l2_alloc else 0,
+            "l2_used_tokens": self.l2_alloc.used_pages * p if self.l2_alloc else 0,
+            "match_tokens": total,
+            "hit_l1_tokens": c["hit_l1_tokens"],
+            "hit_l2_tokens": c["hit_l2_tokens"],
+            "hit_l3_tokens": c["hit_l3_tokens"],
+            "loadback_pages": c["loadback_pages"],
+            "loadback_ops": c["loadback_ops"],
+            "backup_pages": c["backup_pages"],
+            "evicted_l1_pages": c["evicted_l1_pages"],
+            "evicted_l2_pages": c["evicted_l2_pages"],
+            "inflight_ops": sum(len(q) for q in self._inflight.values()),
+            "prefetch_pages": c["prefetch_pages"],
+            "l3": self.l3.stats() if self.l3 is not None else None,
+        }
+
+    def close(self) -> None:
+        self.wait_all()
+        self.transfers.close()
+        if self.l3 is not None:
+            self.l3.close()

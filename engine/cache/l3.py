@@ -1,0 +1,340 @@
+"""The L3 tier of the facade: prefetch L3 → L2 on a miss, back up L2 → L3.
+
+Two implementations behind one small interface, so the facade's logic is written once:
+
+* :class:`StoreTier` moves real bytes through an :class:`engine.storage.l3store.L3Store`
+  (file or Mooncake backend) on a background thread; results are committed on the scheduler
+  thread in :meth:`HiCache.poll`.
+* :class:`SimulatedTier` (trace replay) keeps only the set of stored page keys, with a capacity
+  in pages and LRU eviction; everything completes at once.
+
+Prefetch policies (SPEC §1): ``best_effort`` (never wait: what arrives later serves later
+requests), ``wait_complete`` (wait for the whole fetch), ``timeout`` (wait up to a deadline).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from engine.core.choices import Choice
+from engine.core.hashing import PageHash, namespace_seed, page_hashes
+
+log = logging.getLogger("hicache.l3")
+
+
+class PrefetchPolicy(Choice):
+    __what__ = "prefetch policy"
+
+    BEST_EFFORT = "best_effort"
+    WAIT_COMPLETE = "wait_complete"
+    TIMEOUT = "timeout"
+
+
+def chain_hashes(tokens: np.ndarray, page_size: int, namespace: str | None,
+                 prefix: Sequence[PageHash] = ()) -> list[PageHash]:
+    """Chained page hashes of every full page of ``tokens``, reusing ``prefix`` hashes."""
+    n_full = len(tokens) // page_size
+    k = min(len(prefix), n_full)
+    head = list(prefix[:k])
+    seed = head[-1] if head else namespace_seed(namespace)
+    return head + page_hashes(tokens[k * page_size:n_full * page_size], page_size, seed)
+
+
+class Job:
+    """One asynchronous L3 operation; ``result`` is set by the worker."""
+
+    __slots__ = ("kind", "hashes", "pages", "payload", "result", "error", "event", "op_id")
+
+    def __init__(self, kind: str, hashes: list, pages: np.ndarray, payload: Any, op_id: int):
+        self.kind = kind
+        self.hashes = hashes
+        self.pages = pages
+        self.payload = payload
+        self.result: int | None = None
+        self.error: BaseException | None = None
+        self.event = threading.Event()
+        self.op_id = op_id
+
+
+class SimulatedTier:
+    """Keys only: what a store of ``capacity_pages`` (-1: unbounded) would hold."""
+
+    synchronous = True
+
+    def __init__(self, capacity_pages: int):
+        self.capacity = capacity_pages
+        self._keys: "collections.OrderedDict[bytes, None]" = collections.OrderedDict()
+        self.counters: collections.Counter = collections.Counter()
+
+    def exists_prefix(self, hashes: Sequence[PageHash]) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self._keys:
+                break
+            self._keys.move_to_end(h)
+            n += 1
+        return n
+
+    def run(self, job: Job) -> None:
+        if job.kind == "get":
+            job.result = self.exists_prefix(job.hashes)
+            self.counters["pages_read"] += job.result
+        else:
+            for h in job.hashes:
+                if h in self._keys:
+                    self._keys.move_to_end(h)
+                    continue
+                self._keys[h] = None
+                self.counters["pages_written"] += 1
+            if self.capacity >= 0:
+                while len(self._keys) > self.capacity:
+                    self._keys.popitem(last=False)
+                    self.counters["pages_evicted"] += 1
+            job.result = len(job.hashes)
+        job.event.set()
+
+    def stats(self) -> dict[str, Any]:
+        return {"backend": "simulated", "stored_pages": len(self._keys),
+                "capacity_pages": self.capacity, **self.counters}
+
+    def close(self) -> None:
+        pass
+
+
+class StoreTier:
+    """Real bytes between the L2 host pool and an L3 store, on one worker thread."""
+
+    synchronous = False
+
+    def __init__(self, store: Any, host_pool: Any):
+        self.store = store
+        self.pool = host_pool
+        self._q: "queue.Queue[Job | None]" = queue.Queue()
+        self._thread = threading.Thread(target=self._worker, name="hicache-l3", daemon=True)
+        self._thread.start()
+
+    def exists_prefix(self, hashes: Sequence[PageHash]) -> int:
+        try:
+            return self.store.exists_prefix(hashes)
+        except Exception as exc:  # an unreachable store is a miss, counted by the store
+            log.warning("L3 exists failed: %s", exc)
+            return 0
+
+    def run(self, job: Job) -> None:
+        self._q.put(job)
+
+    def _worker(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            try:
+                if job.kind == "get":
+                    job.result = self.store.get_pages(job.hashes, self.pool, job.pages)
+                else:
+                    job.result = self.store.put_pages(job.hashes, self.pool, job.pages)
+            except BaseException as exc:  # surfaced on the scheduler thread at commit
+                job.error = exc
+                job.result = 0
+            job.event.set()
+
+    def stats(self) -> dict[str, Any]:
+        return self.store.stats()
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=10)
+        self.store.close()
+
+
+class L3Tier:
+    """Facade-side bookkeeping shared by both tiers: jobs in flight, policy, timeouts."""
+
+    def __init__(self, impl: "SimulatedTier | StoreTier", page_size: int,
+                 prefetch_policy: "str | PrefetchPolicy" = PrefetchPolicy.WAIT_COMPLETE,
+                 prefetch_timeout: float = 1.0):
+        self.impl = impl
+        self.page_size = page_size
+        self.policy = PrefetchPolicy.parse(prefetch_policy)
+        self.timeout = prefetch_timeout
+        self.inflight: "collections.deque[Job]" = collections.deque()
+        self._next = 0
+        self.counters: collections.Counter = collections.Counter()
+
+    def hashes(self, tokens: np.ndarray, namespace: str | None,
+               prefix: Sequence[PageHash] = ()) -> list[PageHash]:
+        return chain_hashes(tokens, self.page_size, namespace, prefix)
+
+    def exists_prefix(self, hashes: Sequence[PageHash]) -> int:
+        return self.impl.exists_prefix(hashes)
+
+    def submit(self, kind: str, hashes: list, pages: np.ndarray, payload: Any) -> Job:
+        job = Job(kind, hashes, pages, payload, self._next)
+        self._next += 1
+        self.inflight.append(job)
+        self.impl.run(job)
+        return job
+
+    def wait(self, job: Job) -> bool:
+        """Wait for a prefetch as the policy says; True when it is complete."""
+        if job.event.is_set():
+            return True
+        if self.policy is PrefetchPolicy.BEST_EFFORT:
+            return False
+        if self.policy is PrefetchPolicy.WAIT_COMPLETE:
+            job.event.wait()
+            return True
+        return job.event.wait(self.timeout)
+
+    def take_done(self, job_filter: Callable[[Job], bool] | None = None) -> list[Job]:
+        """Remove and return finished jobs (in submission order for each leading run)."""
+        done = []
+        keep: "collections.deque[Job]" = collections.deque()
+        for job in self.inflight:
+            if job.event.is_set() and (job_filter is None or job_filter(job)):
+                done.append(job)
+            else:
+                keep.append(job)
+        self.inflight = keep
+        return done
+
+    def wait_all(self) -> None:
+        for job in list(self.inflight):
+            job.event.wait()
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.impl.stats(), **{f"tier_{k}": v for k, v in self.counters.items()},
+                "prefetch_policy": self.policy.value}
+
+    def close(self) -> None:
+        self.wait_all()
+        self.impl.close()
+
+
+class StorageOps:
+    """The facade's L3 steps (mixed into :class:`engine.cache.facade.HiCache`).
+
+    Prefetched pages become L2-only tree nodes under the matched path, so the ordinary
+    load-back brings them on to L1. Backups are written through to L3 when a node's L2 copy is
+    committed, and on L2 eviction when not yet stored. Every step emits its event.
+    """
+
+    l3: "L3Tier | None"
+
+    # -- hashes ------------------------------------------------------------------------------
+    def _node_hashes(self, node) -> list:
+        if node.l3_hashes is None:
+            toks = self.tree.prefix_tokens(node)
+            k = len(node.tokens) // self.page_size
+            node.l3_hashes = self.l3.hashes(toks, node.namespace)[-k:]
+        return node.l3_hashes
+
+    def _assign_hashes(self, path: list, hashes: Sequence[PageHash]) -> None:
+        off = 0
+        for node in path:
+            k = len(node.tokens) // self.page_size
+            if node.l3_hashes is None:
+                node.l3_hashes = list(hashes[off:off + k])
+            off += k
+
+    # -- prefetch L3 -> L2 ---------------------------------------------------------------------
+    def _l3_prefetch(self, path: list, toks: np.ndarray, namespace, hashes: list,
+                     start: int, rid) -> int:
+        """Fetch pages ``start…`` that L3 holds into L2; returns pages committed now."""
+        p = self.page_size
+        n3 = self.l3.exists_prefix(hashes[start:])
+        if n3 == 0 or self.l2_alloc is None:
+            return 0
+        parent = path[-1] if path else self.tree.root(namespace)
+        self._pin(parent, +1)
+        short = n3 - self.l2_alloc.free_pages
+        if short > 0:
+            self.evict_l2(short)
+        n = min(n3, self.l2_alloc.free_pages)
+        if n == 0:
+            self._pin(parent, -1)
+            return 0
+        pages = self.l2_alloc.alloc(n)
+        job = self.l3.submit("get", hashes[start:start + n], pages,
+                             payload=(parent, toks[start * p:(start + n) * p].copy(), rid))
+        self.events.emit("restore", op=f"l3-{job.op_id}", rid=rid, pages=int(n), src="l3")
+        self.counters["prefetch_pages_issued"] += n
+        if self.l3.wait(job):
+            self.l3.take_done(lambda j: j is job)
+            node = self._l3_commit(job)
+            if node is not None:
+                path.append(node)
+                return len(node.tokens) // p
+        return 0
+
+    def _pin(self, node, delta: int) -> None:
+        n = node
+        while n is not None and n.parent is not None:
+            n.lock_ref += delta
+            if n.lock_ref == 0:
+                self._push_candidate(n)
+            n = n.parent
+
+    def _l3_commit(self, job: Job):
+        if job.error is not None:
+            log.warning("L3 %s failed: %s", job.kind, job.error)
+            self.counters["l3_errors"] += 1
+        if job.kind == "put":
+            node = job.payload
+            if job.error is None and int(job.result) == len(job.hashes):
+                # The node may have been split while the put was in flight: its pages are now
+                # the last len(hashes) pages of the path ending at it, spread over ancestors.
+                left, cur = len(job.hashes), node
+                while left > 0 and cur.parent is not None:
+                    k = len(cur.tokens) // self.page_size
+                    cur.l3 = max(cur.l3, min(k, left))
+                    left -= k
+                    cur = cur.parent
+            self._pin(node, -1)
+            self.events.emit("backup_done", op=f"l3-{job.op_id}", dst="l3")
+            return None
+        parent, toks, rid = job.payload
+        p = self.page_size
+        n_ok = int(job.result or 0)
+        pages = job.pages
+        node = None
+        alive = parent.parent is not None or self.tree.roots.get(parent.namespace) is parent
+        if n_ok and alive and self.tree.key_of(toks) not in parent.children:
+            node = self.tree.add_child(parent, toks[:n_ok * p])
+            node.l2 = pages[:n_ok]
+            node.l3 = n_ok
+            node.l3_hashes = list(job.hashes[:n_ok])
+            node.last_access = self.tree.tick()
+            self._push_candidate(node)
+            self.counters["prefetch_pages"] += n_ok
+            rest = pages[n_ok:]
+        else:
+            rest = pages
+        if len(rest):
+            self.l2_alloc.free(rest)
+        self._pin(parent, -1)
+        self.events.emit("restore_done", op=f"l3-{job.op_id}", pages=int(n_ok) if node else 0)
+        return node
+
+    # -- backup L2 -> L3 -----------------------------------------------------------------------
+    def _l3_put(self, node, sync: bool = False) -> None:
+        hashes = self._node_hashes(node)
+        self._pin(node, +1)
+        job = self.l3.submit("put", list(hashes), node.l2, payload=node)
+        self.events.emit("backup", op=f"l3-{job.op_id}", pages=len(hashes), dst="l3")
+        if sync or self.l3.impl.synchronous:
+            job.event.wait()
+            self.l3.take_done(lambda j: j is job)
+            self._l3_commit(job)
+
+    def _l3_poll(self) -> int:
+        done = self.l3.take_done()
+        for job in done:
+            self._l3_commit(job)
+        return len(done)

@@ -1,0 +1,172 @@
+"""Numerical building blocks whose per-token results do not depend on the batch.
+
+The central correctness property of the project is that greedy decoding gives the same tokens
+whether a prefix's KV came from L1, from L2 after a load-back, or was computed fresh. Cached and
+fresh paths batch tokens differently (a prefix computed as part of a 100-token chunk is reused
+by a request whose fresh run would compute it in a 300-token chunk, decode tokens are computed
+one at a time and later re-read as part of a prompt), so on the exact path every operation is
+*batch invariant*: the result for one token depends only on that token's inputs.
+
+* Matrix products pad their row count to at least :data:`MIN_ROWS`: CPU GEMM kernels pick a
+  different (gemv / small-M) code path, with a different summation order, for very few rows;
+  from a dozen rows on, a row's result is independent of the other rows.
+* Attention reduces over keys in fixed blocks of :data:`KEY_BLOCK` keys aligned to absolute
+  position 0: ``P @ V`` per block (fixed reduction length), then a sequential sum over
+  blocks (scores reduce over the head dim only, so they do not depend on the key count). Keys a
+  query may not see contribute exact zeros, so a query's result does not depend on how many keys
+  the rest of its chunk needs. The softmax denominator rides along as an extra all-ones column
+  of V, so it is summed by the same products.
+
+The ``sdpa`` path (default on CUDA) uses PyTorch's fused attention instead; it is faster and
+agrees at the token level, not bitwise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+MIN_ROWS = 16
+KEY_BLOCK = 256
+# Elements of the score tensor one attention pass may materialise (bounds peak memory).
+_SCORE_BUDGET = 1 << 22
+
+
+def _pad_rows(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
+    n = x.shape[dim]
+    if n >= MIN_ROWS:
+        return x, n
+    shape = list(x.shape)
+    shape[dim] = MIN_ROWS - n
+    return torch.cat([x, x.new_zeros(shape)], dim=dim), n
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, exact: bool = True) -> torch.Tensor:
+    """``x @ w.T`` for ``x [M, K]``, ``w [N, K]``; batch invariant when ``exact``."""
+    if not exact:
+        return F.linear(x, w)
+    xp, n = _pad_rows(x, 0)
+    return F.linear(xp, w)[:n]
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor, exact: bool = True) -> torch.Tensor:
+    """``a [B, M, K] @ b [B, K, N]``; batch invariant in ``M`` when ``exact``."""
+    if not exact:
+        return torch.bmm(a, b)
+    ap, n = _pad_rows(a, 1)
+    return torch.bmm(ap, b)[:, :n]
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * w.float()).to(x.dtype)
+
+
+def rope_tables(dim: int, max_pos: int, theta: float, device: torch.device | str,
+                dtype: torch.dtype, llama3: tuple[float, float, float, int] | None = None,
+                linear_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin`` of shape ``[max_pos, dim]`` (Hugging Face "rotate half" convention)."""
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if llama3 is not None:
+        factor, lo, hi, orig = llama3
+        wavelen = 2 * math.pi / inv
+        lo_wl, hi_wl = orig / lo, orig / hi
+        smooth = (orig / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > lo_wl, inv / factor, inv)
+        mid = (wavelen <= lo_wl) & (wavelen >= hi_wl)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    pos = torch.arange(max_pos, dtype=torch.float64) / linear_factor
+    ang = torch.outer(pos, inv)
+    emb = torch.cat([ang, ang], dim=-1)
+    return emb.cos().to(device, dtype), emb.sin().to(device, dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x [M, H, D]`` rotated by per-token ``cos, sin [M, D]``."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+              scale: float, exact: bool = True) -> torch.Tensor:
+    """Causal attention of queries at absolute positions ``q_pos`` over keys ``0..T-1``.
+
+    ``q [M, Hq, Dk]``, ``k [T, Hkv, Dk]``, ``v [T, Hkv, Dv]`` (Hq a multiple of Hkv);
+    returns ``[M, Hq, Dv]``. Query ``m`` sees keys ``0..q_pos[m]``.
+    """
+    if exact:
+        return _attention_exact(q, k, v, q_pos, scale)
+    return _attention_sdpa(q, k, v, q_pos, scale)
+
+
+def _attention_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    M, Hq, Dk = q.shape
+    Hkv, Dv = k.shape[1], v.shape[2]
+    G = Hq // Hkv
+    out = q.new_empty((M, Hq, Dv))
+    # Rows are (group member, query) pairs of one kv-head; split queries into passes whose
+    # score tensor stays within budget, each pass padded to MIN_ROWS rows.
+    T_all = int(q_pos.max()) + 1
+    per_query = Hkv * G * max(KEY_BLOCK, T_all)
+    step = max(1, _SCORE_BUDGET // per_query)
+    qh = (q * scale).view(M, Hkv, G, Dk)
+    for s in range(0, M, step):
+        e = min(M, s + step)
+        out[s:e] = _attention_exact_pass(qh[s:e], k, v, q_pos[s:e]).to(out.dtype)
+    return out
+
+
+def _attention_exact_pass(qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          q_pos: torch.Tensor) -> torch.Tensor:
+    M, Hkv, G, Dk = qh.shape
+    Dv = v.shape[2]
+    T = int(q_pos.max()) + 1                     # keys this pass can see
+    nb = -(-T // KEY_BLOCK)
+    Tp = nb * KEY_BLOCK
+    pad = Tp - T
+    # Scores: one product per kv-head, reduction over Dk only (same for every key count).
+    kt = F.pad(k[:T], (0, 0, 0, 0, 0, pad)).permute(1, 2, 0)           # [Hkv, Dk, Tp]
+    rows = qh.permute(1, 2, 0, 3).reshape(Hkv, G * M, Dk)              # row = g * M + m
+    rows, R = _pad_rows(rows, 1)
+    Rp = rows.shape[1]
+    row_pos = torch.zeros(Rp, dtype=torch.long, device=qh.device)
+    row_pos[:R] = q_pos.repeat(G)
+    scores = torch.matmul(rows, kt).float()                            # [Hkv, Rp, Tp]
+    hidden = torch.arange(Tp, device=qh.device).view(1, Tp) > row_pos.view(Rp, 1)
+    scores.masked_fill_(hidden, float("-inf"))
+    mx = scores.amax(dim=-1, keepdim=True)
+    p = torch.exp(scores.sub_(mx)).to(v.dtype)
+    # P @ [V | 1] per key block (fixed reduction length), blocks summed in order.
+    pb = p.view(Hkv, Rp, nb, KEY_BLOCK).permute(2, 0, 1, 3).reshape(nb * Hkv, Rp, KEY_BLOCK)
+    v1 = torch.cat([v[:T], v.new_ones((T, Hkv, 1))], dim=-1)
+    vb = F.pad(v1, (0, 0, 0, 0, 0, pad)).view(nb, KEY_BLOCK, Hkv, Dv + 1).permute(0, 2, 1, 3)
+    pv = torch.bmm(pb, vb.reshape(nb * Hkv, KEY_BLOCK, Dv + 1)).view(nb, Hkv, Rp, Dv + 1)
+    acc = pv[0].float()
+    for b in range(1, nb):                        # sequential: trailing zero blocks are no-ops
+        acc.add_(pv[b])
+    o = acc[..., :Dv] / acc[..., Dv:]
+    return o[:, :R].view(Hkv, G, M, Dv).permute(2, 0, 1, 3).reshape(M, Hkv * G, Dv)
+
+
+def _attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    M, Hq, _ = q.shape
+    T, Hkv, Dv = v.shape
+    out = q.new_empty((M, Hq, Dv))
+    kt = k.transpose(0, 1).unsqueeze(0)           # [1, Hkv, T, Dk]
+    vt = v.transpose(0, 1).unsqueeze(0)
+    kpos = torch.arange(T, device=q.device)
+    step = max(1, (1 << 24) // max(1, Hq * T))
+    for s in range(0, M, step):
+        e = min(M, s + step)
+        mask = kpos.view(1, T) <= q_pos[s:e].view(-1, 1)
+        o = F.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1).unsqueeze(0), kt, vt, attn_mask=mask.view(1, 1, e - s, T),
+            scale=scale, enable_gqa=Hq != Hkv)
+        out[s:e] = o[0].transpose(0, 1)
+    return out

@@ -1,0 +1,196 @@
+"""The decoder: a Llama-style transformer whose attention reads KV from the paged L1 pool.
+
+One forward pass runs a batch of *chunks* (continuous batching): each chunk is some new tokens of
+one request at consecutive positions, plus that request's page table (L1 page ids covering every
+position up to the chunk's end). Per layer, the forward
+
+1. computes Q/K/V for all new tokens of all chunks at once (one batch-invariant GEMM),
+2. writes the new K/V into the chunk's slots of ``pool.buf[layer]``
+   (slot of position ``x`` = ``pages[x // page_size] * page_size + x % page_size``),
+3. calls every layer hook with the layer index (the facade's ``LoadHandle.wait_layer``: a
+   prefix being loaded back from L2 only has to be in L1 for the layer about to attend),
+4. attends, per chunk, over the chunk's keys gathered from the pool through its page table.
+
+The model never allocates pages or touches the tree: the scheduler owns that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from engine.core.layout import KVLayout, torch_dtype
+from engine.runtime.model import ops
+from engine.runtime.model.config import ModelConfig
+from engine.runtime.model.weights import LayerWeights, ModelWeights
+
+LayerHook = Callable[[int], None]
+
+
+@dataclasses.dataclass
+class Chunk:
+    """New tokens of one request for one forward pass.
+
+    ``tokens`` sit at positions ``start .. start + len(tokens) - 1``; ``pages`` are the
+    request's L1 page ids covering positions ``0 .. start + len(tokens) - 1`` (at least).
+    ``logits``: whether the caller wants the next-token logits after the last token.
+    """
+
+    tokens: Sequence[int] | np.ndarray
+    start: int
+    pages: np.ndarray
+    logits: bool = True
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class Model:
+    """A decoder with fixed weights. Thread-compatible (one forward at a time)."""
+
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, device: str = "cpu",
+                 exact: bool | None = None):
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.dtype = torch_dtype(cfg.dtype)
+        self.w = weights.to(self.device, self.dtype)
+        # Exact (batch-invariant) kernels by default on CPU, fused SDPA on CUDA.
+        self.exact = (self.device.type == "cpu") if exact is None else exact
+        self.cos, self.sin = ops.rope_tables(cfg.rope_dim, cfg.max_context, cfg.rope_theta,
+                                             self.device, self.dtype, cfg.rope_llama3,
+                                             cfg.rope_linear_factor)
+        if cfg.is_mla:
+            self.scale = 1.0 / math.sqrt(cfg.qk_nope_dim + cfg.qk_rope_dim)
+        else:
+            self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
+    def kv_layout(self, page_size: int) -> KVLayout:
+        return self.cfg.kv_layout(page_size)
+
+    # -- forward ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, chunks: Sequence[Chunk], kv: torch.Tensor, page_size: int,
+                layer_hooks: Iterable[LayerHook] = ()) -> torch.Tensor:
+        """Run ``chunks``; returns float32 logits ``[n, vocab]`` for the chunks with ``logits``.
+
+        ``kv`` is the L1 buffer ``[layers, kv_kinds, slots, kv_heads, head_dim]``
+        (``cache.l1.buf``). New K/V is written into it.
+        """
+        cfg = self.cfg
+        hooks = list(layer_hooks)
+        if not chunks:
+            return torch.empty((0, cfg.vocab_size), dtype=torch.float32)
+        lens = [len(c) for c in chunks]
+        for c, n in zip(chunks, lens):
+            if n < 1:
+                raise ValueError("a chunk needs at least one token")
+            if c.start + n > cfg.max_context:
+                raise ValueError(f"position {c.start + n - 1} beyond max context "
+                                 f"{cfg.max_context}")
+        dev = self.device
+        ids = torch.as_tensor(np.concatenate([np.asarray(c.tokens, dtype=np.int64)
+                                              for c in chunks]), device=dev)
+        pos_np = np.concatenate([np.arange(c.start, c.start + n, dtype=np.int64)
+                                 for c, n in zip(chunks, lens)])
+        pos = torch.as_tensor(pos_np, device=dev)
+        new_slots, key_slots, bounds = [], [], []
+        off = 0
+        for c, n in zip(chunks, lens):
+            pages = np.asarray(c.pages, dtype=np.int64)
+            end = c.start + n
+            if len(pages) * page_size < end:
+                raise ValueError(f"page table covers {len(pages) * page_size} positions, "
+                                 f"chunk ends at {end}")
+            all_pos = np.arange(end, dtype=np.int64)
+            slots = pages[all_pos // page_size] * page_size + all_pos % page_size
+            key_slots.append(torch.as_tensor(slots, device=dev))
+            new_slots.append(key_slots[-1][c.start:end])
+            bounds.append((off, off + n))
+            off += n
+        write_slots = torch.cat(new_slots)
+        cos, sin = self.cos[pos], self.sin[pos]
+
+        x = self.w.embed[ids]
+        for li, lw in enumerate(self.w.layers):
+            h = ops.rms_norm(x, lw.attn_norm, cfg.rms_eps)
+            if cfg.is_mla:
+                attn = self._mla(lw, li, h, cos, sin, kv, write_slots, key_slots, bounds, pos,
+                                 hooks)
+            else:
+                attn = self._gqa(lw, li, h, cos, sin, kv, write_slots, key_slots, bounds, pos,
+                                 hooks)
+            x = x + ops.linear(attn, lw.wo, self.exact)
+            h = ops.rms_norm(x, lw.mlp_norm, cfg.rms_eps)
+            gu = ops.linear(h, lw.w_gate_up, self.exact)
+            g, u = gu.split(cfg.intermediate, dim=-1)
+            x = x + ops.linear(torch.nn.functional.silu(g) * u, lw.w_down, self.exact)
+
+        want = [b[1] - 1 for c, b in zip(chunks, bounds) if c.logits]
+        if not want:
+            return torch.empty((0, cfg.vocab_size), dtype=torch.float32)
+        last = x[torch.as_tensor(want, device=dev)]
+        last = ops.rms_norm(last, self.w.final_norm, cfg.rms_eps)
+        return ops.linear(last, self.w.lm_head, self.exact).float()
+
+    def _gqa(self, lw: LayerWeights, li: int, h: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor, kv: torch.Tensor, write_slots: torch.Tensor,
+             key_slots: list[torch.Tensor], bounds: list[tuple[int, int]], pos: torch.Tensor,
+             hooks: list[LayerHook]) -> torch.Tensor:
+        cfg = self.cfg
+        M = h.shape[0]
+        Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = ops.linear(h, lw.wqkv, self.exact)
+        q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+        q = ops.apply_rope(q.reshape(M, Hq, D), cos, sin)
+        k = ops.apply_rope(k.reshape(M, Hkv, D), cos, sin)
+        kv[li, 0].index_copy_(0, write_slots, k)
+        kv[li, 1].index_copy_(0, write_slots, v.reshape(M, Hkv, D))
+        for hook in hooks:
+            hook(li)
+        out = torch.empty_like(q)
+        kl, vl = kv[li, 0], kv[li, 1]
+        for slots, (s, e) in zip(key_slots, bounds):
+            out[s:e] = ops.attention(q[s:e], kl.index_select(0, slots),
+                                     vl.index_select(0, slots), pos[s:e], self.scale,
+                                     self.exact)
+        return out.reshape(M, Hq * D)
+
+    def _mla(self, lw: LayerWeights, li: int, h: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor, kv: torch.Tensor, write_slots: torch.Tensor,
+             key_slots: list[torch.Tensor], bounds: list[tuple[int, int]], pos: torch.Tensor,
+             hooks: list[LayerHook]) -> torch.Tensor:
+        """Absorbed MLA: attention runs in the latent space against one cached vector/token."""
+        cfg = self.cfg
+        M = h.shape[0]
+        Hq, dn, dr, dc, dv = (cfg.num_heads, cfg.qk_nope_dim, cfg.qk_rope_dim,
+                              cfg.kv_lora_rank, cfg.v_head_dim)
+        q = ops.linear(h, lw.wq, self.exact).reshape(M, Hq, dn + dr)
+        q_nope, q_rope = q.split([dn, dr], dim=-1)
+        q_rope = ops.apply_rope(q_rope, cos, sin)
+        # q_lat[h] = q_nope[h] @ W_uk[h]: [Hq, M, dn] @ [Hq, dn, dc]
+        q_lat = ops.bmm(q_nope.transpose(0, 1), lw.w_uk, self.exact).transpose(0, 1)
+        q_full = torch.cat([q_lat, q_rope], dim=-1)                  # [M, Hq, dc + dr]
+        ckv = ops.linear(h, lw.wkv_a, self.exact)                    # [M, dc + dr]
+        c, kr = ckv.split([dc, dr], dim=-1)
+        c = ops.rms_norm(c, lw.kv_norm, cfg.rms_eps)
+        kr = ops.apply_rope(kr.reshape(M, 1, dr), cos, sin).reshape(M, dr)
+        kv[li, 0].index_copy_(0, write_slots, torch.cat([c, kr], dim=-1).reshape(M, 1, dc + dr))
+        for hook in hooks:
+            hook(li)
+        lat = kv[li, 0]
+        o_lat = torch.empty((M, Hq, dc + dr), dtype=h.dtype, device=h.device)
+        for slots, (s, e) in zip(key_slots, bounds):
+            keys = lat.index_select(0, slots)
+            o_lat[s:e] = ops.attention(q_full[s:e], keys, keys, pos[s:e], self.scale,
+                                       self.exact)
+        # o[h] = o_lat[h][:dc] @ W_uv[h]: [Hq, M, dc] @ [Hq, dc, dv]
+        o = ops.bmm(o_lat[..., :dc].transpose(0, 1).contiguous(), lw.w_uv, self.exact)
+        return o.transpose(0, 1).reshape(M, Hq * dv)

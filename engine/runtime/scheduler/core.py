@@ -1,0 +1,523 @@
+"""The scheduler loop: admission, batching, the forward, sampling, finishing.
+
+See the package docstring (:mod:`engine.runtime.scheduler`) for the step structure.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import enum
+import itertools
+import logging
+import math
+import queue
+import threading
+import time
+import zlib
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from engine.core.errors import InputError, OutOfCapacity
+from engine.runtime.model import Chunk, Model
+from engine.runtime.scheduler.params import (
+    Callback,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+    SchedulerConfig,
+)
+from engine.runtime.scheduler.stats import SchedulerMetrics
+
+log = logging.getLogger("hicache.scheduler")
+
+
+class _Phase(enum.Enum):
+    WAITING = 0
+    PREFILL = 1
+    DECODE = 2
+    DONE = 3
+
+
+class _Req:
+    __slots__ = ("rid", "ids", "sampling", "namespace", "priority", "cb", "t_arrival",
+                 "t_admit", "t_first", "phase", "receipt", "load", "pages", "n_prefix_pages",
+                 "kv_len", "out", "cached_device", "cached_host", "cached_storage", "gen",
+                 "aborted", "hashes")
+
+    def __init__(self, rid: str, ids: np.ndarray, sampling: SamplingParams,
+                 namespace: str | None, priority: int, cb: Callback | None):
+        self.rid, self.ids, self.sampling = rid, ids, sampling
+        self.namespace, self.priority, self.cb = namespace, priority, cb
+        self.t_arrival = time.perf_counter()
+        self.t_admit = math.nan
+        self.t_first = math.nan
+        self.phase = _Phase.WAITING
+        self.receipt = None
+        self.load = None
+        self.pages = np.empty(0, dtype=np.int64)   # page table: prefix pages, then own pages
+        self.n_prefix_pages = 0                     # leading pages owned by the tree
+        self.kv_len = 0                             # positions whose KV is in L1
+        self.out: list[int] = []
+        self.cached_device = self.cached_host = self.cached_storage = 0
+        self.gen: torch.Generator | None = None
+        self.aborted = False
+        self.hashes: list = []                      # L3 page hashes of the matched prefix
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.ids)
+
+    def kv_needed(self) -> int:
+        """Positions that will ever hold KV: the prompt and every output token but the last."""
+        return self.prompt_len + max(self.sampling.max_new_tokens - 1, 0)
+
+
+class Scheduler:
+    def __init__(self, model: Model, cache: Any, config: SchedulerConfig | None = None):
+        assert cache.l1 is not None, "the scheduler needs a cache with KV pools (layout set)"
+        assert cache.config.layout == model.kv_layout(cache.page_size), (
+            "cache layout does not match the model's kv_layout")
+        self.model = model
+        self.cache = cache
+        self.config = config or SchedulerConfig()
+        self.page_size = cache.page_size
+        self.metrics = SchedulerMetrics()
+        self.step_no = 0
+        self.last_error: str | None = None
+        self._inbox: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
+        self._waiting: collections.deque[_Req] = collections.deque()
+        self._running: list[_Req] = []
+        self._by_rid: dict[str, _Req] = {}
+        self._rid_counter = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()          # guards _by_rid between submit and the loop
+        cfg = model.cfg
+        self.vocab_size = cfg.vocab_size
+        self.eos_ids = frozenset(cfg.eos_ids)
+        banned = [] if cfg.bos_id is None or cfg.bos_id in self.eos_ids else [cfg.bos_id]
+        if cfg.vocab_size == 260 and cfg.bos_id == 256:     # byte vocabulary: PAD, SEP too
+            banned += [258, 259]
+        self._banned = torch.as_tensor(banned, dtype=torch.long)
+
+    # -- thread-safe API ------------------------------------------------------------------
+    def submit(self, input_ids: Sequence[int] | np.ndarray, sampling: SamplingParams,
+               callback: Callback | None = None, *, rid: str | None = None,
+               namespace: str | None = None, priority: int = 0) -> str:
+        """Queue a request; returns its id. Raises :class:`InputError` for bad requests."""
+        ids = np.asarray(input_ids, dtype=np.int64).reshape(-1)
+        self.validate(ids, sampling)
+        rid = rid or f"req-{next(self._rid_counter)}"
+        req = _Req(rid, ids, sampling, namespace, priority, callback)
+        with self._lock:
+            if rid in self._by_rid:
+                raise InputError(f"request id {rid!r} is already in use")
+            if len(self._by_rid) >= self.config.max_waiting_requests + \
+                    self.config.max_running_requests:
+                raise OutOfCapacity("too many requests in the queue")
+            self._by_rid[rid] = req
+        self._inbox.put(("req", req))
+        return rid
+
+    def validate(self, ids: np.ndarray, sampling: SamplingParams) -> None:
+        cfg = self.model.cfg
+        if ids.size == 0:
+            raise InputError("the prompt is empty")
+        if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+            bad = int(ids[(ids < 0) | (ids >= cfg.vocab_size)][0])
+            raise InputError(f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
+        total = ids.size + sampling.max_new_tokens
+        if total > cfg.max_context:
+            raise InputError(f"prompt ({ids.size} tokens) + max_new_tokens "
+                             f"({sampling.max_new_tokens}) exceeds the model's context of "
+                             f"{cfg.max_context} tokens")
+        p = self.page_size
+        pages = -(-(ids.size + max(sampling.max_new_tokens - 1, 0)) // p)
+        if pages > self.cache.l1_alloc.num_pages:
+            raise InputError(f"the request needs {pages * p} tokens of KV; L1 holds "
+                             f"{self.cache.l1_alloc.num_pages * p}")
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(("abort", rid))
+
+    def call(self, fn: Callable[[], Any]) -> "concurrent.futures.Future[Any]":
+        """Run ``fn`` on the scheduler thread between steps (cache access from other threads)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self._thread is None:
+            fut.set_result(fn())
+            return fut
+        self._inbox.put(("call", (fn, fut)))
+        return fut
+
+    def generate(self, input_ids: Sequence[int] | np.ndarray, sampling: SamplingParams,
+                 **kw: Any) -> tuple[list[int], dict[str, Any]]:
+        """Blocking convenience: ``(output_ids, meta)``. Steps inline without a thread."""
+        ids: list[int] = []
+        final: list[RequestOutput] = []
+        done = threading.Event()
+
+        def cb(o: RequestOutput) -> None:
+            ids.extend(o.new_token_ids)
+            if o.finished:
+                final.append(o)
+                done.set()
+
+        self.submit(input_ids, sampling, cb, **kw)
+        if self._thread is None:
+            self.run_until_idle()
+        done.wait()
+        if final[0].error:
+            raise RuntimeError(final[0].error)
+        return ids, final[0].meta or {}
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        assert self._thread is None, "scheduler already started"
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="hicache-scheduler",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop; running and waiting requests are aborted (resources released)."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        self._thread.join(timeout)
+        self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def idle(self) -> bool:
+        return not self._running and not self._waiting and self._inbox.empty()
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                busy = self.step(block=True)
+                if not busy:
+                    continue
+        except BaseException:  # noqa: BLE001 - logged, then every request is failed
+            log.exception("scheduler thread crashed")
+            self.last_error = "scheduler thread crashed (see server log)"
+            self._fail_all(self.last_error)
+            raise
+        finally:
+            self._drain_inbox()
+            for r in list(self._running) + list(self._waiting):
+                self._finish(r, FinishReason.ABORT)
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        """Step inline until nothing is queued or running (tests, no thread)."""
+        for _ in range(max_steps):
+            self.step(block=False)
+            if self.idle():
+                self.cache.poll()
+                return
+        raise AssertionError("scheduler did not become idle")
+
+    # -- one step -------------------------------------------------------------------------
+    def step(self, block: bool = False) -> bool:
+        """One scheduling step; returns False when there was nothing to run."""
+        self._drain_inbox(block=block and not self._running and not self._waiting)
+        self.step_no += 1
+        self.cache.events.set_step(self.step_no)
+        self.cache.poll()
+        chunks, reqs = self._build_batch()
+        if not chunks:
+            if block and self._waiting:      # head of the queue waits for room: don't spin
+                self._stop.wait(0.002)
+            return False
+        try:
+            self._run_batch(chunks, reqs)
+        except Exception as exc:  # noqa: BLE001 - logged; the batch's requests fail
+            log.exception("forward failed for %d request(s)", len(reqs))
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            for r in reqs:
+                if r.phase is not _Phase.DONE:
+                    self._finish(r, FinishReason.ERROR, error=f"internal error: {exc}")
+        self.metrics.steps += 1
+        return True
+
+    def _drain_inbox(self, block: bool = False) -> None:
+        # Wake up now and then even when idle, so poll() commits finished backups.
+        timeout = 0.02
+        first = True
+        while True:
+            try:
+                if first and block:
+                    kind, item = self._inbox.get(timeout=timeout)
+                else:
+                    kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            first = False
+            if kind == "req":
+                if item.aborted:
+                    self._finish(item, FinishReason.ABORT)
+                else:
+                    self._waiting.append(item)
+            elif kind == "abort":
+                with self._lock:
+                    r = self._by_rid.get(item)
+                if r is not None:
+                    r.aborted = True
+                    if r in self._waiting or r in self._running:
+                        self._finish(r, FinishReason.ABORT)
+            elif kind == "call":
+                fn, fut = item
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                        fut.set_exception(exc)
+
+    def _build_batch(self) -> tuple[list[Chunk], list[_Req]]:
+        chunks: list[Chunk] = []
+        reqs: list[_Req] = []
+        budget = self.config.chunked_prefill_size
+        for r in self._running:
+            if r.phase is _Phase.DECODE:
+                chunks.append(Chunk([r.out[-1]], r.kv_len, r.pages))
+                reqs.append(r)
+        for r in self._running:
+            if r.phase is _Phase.PREFILL and budget > 0:
+                budget -= self._add_prefill(r, budget, chunks, reqs)
+        while (budget > 0 and self._waiting
+               and len(self._running) < self.config.max_running_requests):
+            r = self._waiting[0]
+            if not self._admit(r):
+                break
+            self._waiting.popleft()
+            self._running.append(r)
+            budget -= self._add_prefill(r, budget, chunks, reqs)
+        return chunks, reqs
+
+    def _add_prefill(self, r: _Req, budget: int, chunks: list[Chunk], reqs: list[_Req]) -> int:
+        n = min(budget, r.prompt_len - r.kv_len)
+        last = r.kv_len + n == r.prompt_len
+        chunks.append(Chunk(r.ids[r.kv_len:r.kv_len + n], r.kv_len, r.pages,
+                            logits=last and r.sampling.max_new_tokens > 0))
+        reqs.append(r)
+        return n
+
+    def _admit(self, r: _Req) -> bool:
+        """match → lock → alloc → load_back. False (and nothing held) when L1 has no room.
+
+        The request's own pages are allocated *before* the load-back, so a request that cannot
+        be admitted yet never triggers a load-back it will not use (and a later retry reports
+        its prefix as loaded from L2, not as an L1 hit it caused itself).
+        """
+        cache, p = self.cache, self.page_size
+        total = -(-r.kv_needed() // p)
+        if self.config.disable_radix_cache:
+            try:
+                own = cache.alloc(total)
+            except OutOfCapacity:
+                return False
+            self._admitted(r, None, None, np.empty(0, dtype=np.int64), own)
+            return True
+        # The last prompt token is always computed: it yields the first output's logits.
+        m = cache.match(r.ids[:r.prompt_len - 1], r.namespace, rid=r.rid, priority=r.priority)
+        receipt = cache.lock(m)
+        below = (m.l2_len + m.l3_len) // p   # pages past the L1 hit: L2 (+ L3 prefetched to L2)
+        try:
+            own = cache.alloc(total - m.l1_len // p - below)
+        except OutOfCapacity:
+            cache.unlock(receipt)
+            return False
+        load = cache.load_back(m)
+        missing = below - m.loaded_len // p  # no room to load back: compute them instead
+        if missing:
+            try:
+                own = np.concatenate([cache.alloc(missing), own])
+            except OutOfCapacity:
+                cache.free(own)
+                cache.unlock(receipt)
+                return False
+        # Loaded = the L2 part, then what the match prefetched from L3 into L2.
+        r.cached_device = m.l1_len
+        r.cached_storage = max(0, min(m.l3_len, m.loaded_len - m.l2_len))
+        r.cached_host = m.loaded_len - r.cached_storage
+        r.hashes = m.hashes
+        prefix = m.l1_pages[:(m.l1_len + m.loaded_len) // p]
+        self._admitted(r, receipt, load if load is not None and load.ops else None, prefix, own)
+        return True
+
+    def _admitted(self, r: _Req, receipt: Any, load: Any, prefix: np.ndarray,
+                  own: np.ndarray) -> None:
+        r.receipt, r.load = receipt, load
+        r.pages = np.concatenate([prefix, own])
+        r.n_prefix_pages = len(prefix)
+        r.kv_len = len(prefix) * self.page_size
+        r.phase = _Phase.PREFILL
+        r.t_admit = time.perf_counter()
+        self.metrics.queue_time.observe(r.t_admit - r.t_arrival)
+
+    def _run_batch(self, chunks: list[Chunk], reqs: list[_Req]) -> None:
+        hooks = [r.load.wait_layer for r in reqs if r.load is not None]
+        t0 = time.perf_counter()
+        logits = self.model.forward(chunks, self.cache.l1.buf, self.page_size, hooks)
+        self.metrics.forward_seconds += time.perf_counter() - t0
+        now = time.perf_counter()
+        li = 0
+        for c, r in zip(chunks, reqs):
+            r.load = None                  # every layer hook has returned: the prefix is in L1
+            prefill = r.phase is _Phase.PREFILL
+            r.kv_len += len(c)
+            if prefill:
+                self.metrics.computed_prompt_tokens += len(c)
+                if r.kv_len < r.prompt_len:
+                    continue
+                r.phase = _Phase.DECODE
+                if r.sampling.max_new_tokens == 0:
+                    r.t_first = now
+                    self._finish(r, FinishReason.LENGTH)
+                    continue
+            try:
+                tok = self._sample(logits[li], r)
+            except Exception as exc:  # one request's sampling never fails its batch
+                log.exception("sampling failed for request %s", r.rid)
+                li += 1
+                self._finish(r, FinishReason.ERROR, error=f"sampling failed: {exc}")
+                continue
+            li += 1
+            r.out.append(tok)
+            if math.isnan(r.t_first):
+                r.t_first = now
+            reason = None
+            if tok in r.sampling.stop_token_ids or (tok in self.eos_ids
+                                                    and not r.sampling.ignore_eos):
+                reason = FinishReason.STOP
+            elif len(r.out) >= r.sampling.max_new_tokens:
+                reason = FinishReason.LENGTH
+            if reason is None:
+                # The first token carries the meta known so far (cached tokens, queue time).
+                meta = self._meta(r, None, now) if len(r.out) == 1 else None
+                self._emit(r, RequestOutput(r.rid, [tok], meta=meta))
+            else:
+                self._finish(r, reason, last_token=tok)
+
+    def _sample(self, logits: torch.Tensor, r: _Req) -> int:
+        sp = r.sampling
+        if self._banned.numel():
+            logits = logits.clone()
+            logits[self._banned] = -math.inf
+        if sp.greedy:
+            return int(torch.argmax(logits))
+        if r.gen is None:
+            seed = sp.seed if sp.seed is not None else zlib.crc32(r.rid.encode())
+            r.gen = torch.Generator().manual_seed(seed)
+        x = logits.float() / sp.temperature
+        if self._banned.numel():             # -inf / inf (a huge temperature) is nan
+            x[self._banned] = -math.inf
+        if sp.top_k > 0:
+            kth = torch.topk(x, min(sp.top_k, x.numel())).values[-1]
+            x = x.masked_fill(x < kth, -math.inf)
+        probs = torch.softmax(x, dim=-1)
+        if sp.top_p < 1:
+            sp_, idx = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sp_, 0) - sp_ < sp.top_p
+            keep[0] = True                   # a top_p below float32 resolution keeps the top
+            probs = torch.zeros_like(probs).scatter_(0, idx[keep], sp_[keep])
+        return int(torch.multinomial(probs.cpu(), 1, generator=r.gen))
+
+    # -- finishing ------------------------------------------------------------------------
+    def _finish(self, r: _Req, reason: FinishReason, *, last_token: int | None = None,
+                error: str | None = None) -> None:
+        if r.phase is _Phase.DONE:
+            return
+        was = r.phase
+        r.phase = _Phase.DONE
+        if r in self._running:
+            self._running.remove(r)
+        elif r in self._waiting:
+            self._waiting.remove(r)
+        with self._lock:
+            self._by_rid.pop(r.rid, None)
+        try:
+            if was is not _Phase.WAITING:
+                self._release(r, insert=reason in (FinishReason.LENGTH, FinishReason.STOP))
+        finally:
+            now = time.perf_counter()
+            meta = self._meta(r, reason, now)
+            m = self.metrics
+            m.requests[reason.value] += 1
+            if was is not _Phase.WAITING:
+                m.prompt_tokens += r.prompt_len
+                m.generation_tokens += len(r.out)
+                m.cached_tokens["device"] += r.cached_device
+                m.cached_tokens["host"] += r.cached_host
+                m.cached_tokens["storage"] += r.cached_storage
+                if reason in (FinishReason.LENGTH, FinishReason.STOP):
+                    m.ttft.observe(r.t_first - r.t_arrival)
+                    m.e2e_latency.observe(now - r.t_arrival)
+            self._emit(r, RequestOutput(r.rid, [] if last_token is None else [last_token],
+                                        True, reason, meta, error))
+
+    def _release(self, r: _Req, insert: bool) -> None:
+        cache, p = self.cache, self.page_size
+        if r.load is not None:          # aborted before its first forward: let the copy land
+            r.load.wait()
+            r.load = None
+        own = r.pages[r.n_prefix_pages:]
+        if insert and not self.config.disable_radix_cache:
+            n_full = r.kv_len // p
+            seq = np.concatenate([r.ids, np.asarray(r.out, dtype=np.int64)])[:n_full * p]
+            cache.insert(seq, r.pages[:n_full], r.namespace, rid=r.rid, priority=r.priority,
+                         prefix_hashes=r.hashes, after=r.receipt)
+            cache.free(r.pages[n_full:])
+        else:
+            cache.free(own)
+        r.pages = np.empty(0, dtype=np.int64)
+        if r.receipt is not None:
+            cache.unlock(r.receipt)
+            r.receipt = None
+
+    def _meta(self, r: _Req, reason: FinishReason | None, now: float) -> dict[str, Any]:
+        cached = r.cached_device + r.cached_host + r.cached_storage
+        return {
+            "id": r.rid,
+            "finish_reason": None if reason is None else reason.value,
+            "prompt_tokens": r.prompt_len,
+            "completion_tokens": len(r.out),
+            "cached_tokens": cached,
+            "cached_tokens_details": {"device": r.cached_device, "host": r.cached_host,
+                                      "storage": r.cached_storage},
+            "queue_time": _round(r.t_admit - r.t_arrival),
+            "ttft": _round(r.t_first - r.t_arrival),
+            "e2e_latency": None if reason is None else _round(now - r.t_arrival),
+        }
+
+    def _emit(self, r: _Req, out: RequestOutput) -> None:
+        if r.cb is None:
+            return
+        try:
+            r.cb(out)
+        except Exception:  # noqa: BLE001 - a broken consumer must not stop the scheduler
+            log.exception("output callback of %s failed; aborting it", r.rid)
+            if not out.finished:
+                self._inbox.put(("abort", r.rid))
+
+    def _fail_all(self, msg: str) -> None:
+        for r in list(self._running) + list(self._waiting):
+            try:
+                self._finish(r, FinishReason.ERROR, error=msg)
+            except Exception:  # noqa: BLE001
+                log.exception("could not release %s", r.rid)
+
+
+def _round(v: float) -> float | None:
+    return None if math.isnan(v) else round(v, 6)

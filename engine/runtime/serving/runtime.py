@@ -1,0 +1,206 @@
+"""Server configuration and the engine it serves: model + tokenizer + cache + scheduler."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+from engine.cache.events import EventLog
+from engine.cache.facade import CacheConfig, HiCache, WritePolicy
+from engine.cache.policy import policy_names
+from engine.cache.pool import HostLayout
+from engine.core.device import resolve_device
+from engine.runtime.model import Model, load_model
+from engine.runtime.scheduler import Scheduler, SchedulerConfig
+from engine.runtime.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger("hicache.server")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """Everything ``hicache bench serve`` accepts. Tier sizes are tokens.
+
+    L2 size: ``l2_tokens`` when given (0 = no L2); else ``hicache_size_gb`` (GB of host memory)
+    when > 0; else ``hicache_ratio`` × ``l1_tokens`` (SGLang's meaning of the two options).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    device: str = "auto"
+    model: str = "tiny"
+    seed: int | None = None
+    page_size: int = 16
+    l1_tokens: int = 16384
+    l2_tokens: int | None = None
+    hicache_ratio: float = 2.0
+    hicache_size_gb: float = 0.0
+    write_policy: str = "write_through"
+    write_through_threshold: int = 2
+    host_layout: str = "layer_first"
+    eviction_policy: str = "lru"
+    disable_radix_cache: bool = False
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 512
+    exact: bool | None = None          # batch-invariant kernels (default: on CPU)
+    record_events: bool = False        # keep the cache's event log in memory
+    # L3 (SGLang's names): backend None = no L3
+    hicache_storage_backend: str | None = None       # file | mooncake | memory
+    hicache_storage_dir: str | None = None           # file: directory (default: a temp dir)
+    hicache_storage_backend_config: str | None = None  # JSON file (file/mooncake settings)
+    hicache_storage_size_limit: str | None = None    # file: e.g. "20GiB" (LRU beyond it)
+    hicache_storage_prefetch_policy: str = "timeout"  # best_effort | wait_complete | timeout
+    hicache_storage_prefetch_timeout: float = 2.0    # seconds, for "timeout"
+    rank_log_dir: str | None = None    # write this rank's event log there on shutdown
+    inject_divergence: str | None = None  # debug: break this rank's decisions (engine.parallel.divergence)
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
+        if self.l1_tokens < self.page_size:
+            raise ValueError(f"--l1-tokens must hold at least one page ({self.page_size})")
+        if self.l2_tokens is not None and self.l2_tokens < 0:
+            raise ValueError("--l2-tokens must be >= 0")
+        if self.hicache_ratio < 0 or self.hicache_size_gb < 0:
+            raise ValueError("--hicache-ratio and --hicache-size must be >= 0")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        WritePolicy.parse(self.write_policy)
+        HostLayout.parse(self.host_layout)
+        if self.eviction_policy not in policy_names():
+            raise ValueError(f"unknown eviction policy {self.eviction_policy!r}; choose one of "
+                             f"{policy_names()}")
+        SchedulerConfig(self.max_running_requests, self.chunked_prefill_size)
+        if self.hicache_storage_backend is not None:
+            from engine.storage import BackendKind
+
+            BackendKind.parse(self.hicache_storage_backend)
+        from engine.cache.l3 import PrefetchPolicy
+
+        PrefetchPolicy.parse(self.hicache_storage_prefetch_policy)
+        if self.hicache_storage_prefetch_timeout < 0:
+            raise ValueError("--hicache-storage-prefetch-timeout must be >= 0")
+        if self.inject_divergence:
+            from engine.parallel.divergence import parse_spec
+
+            parse_spec(self.inject_divergence)
+
+    def l2_tokens_for(self, token_bytes: int) -> int:
+        """Resolved L2 size in tokens (a multiple of the page size)."""
+        if self.l2_tokens is not None:
+            n = self.l2_tokens
+        elif self.hicache_size_gb > 0:
+            n = int(self.hicache_size_gb * 1e9 // token_bytes)
+        else:
+            n = int(self.hicache_ratio * self.l1_tokens)
+        return n - n % self.page_size
+
+
+class Engine:
+    """The model, its tokenizer, the cache and the scheduler, wired together."""
+
+    def __init__(self, cfg: ServerConfig):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.model: Model = load_model(cfg.model, self.device, seed=cfg.seed, exact=cfg.exact)
+        mc = self.model.cfg
+        model_dir = cfg.model if os.path.isdir(cfg.model) else None
+        self.tokenizer: Tokenizer | None = load_tokenizer(
+            model_dir, mc.vocab_size, mc.bos_id, mc.eos_ids[0] if mc.eos_ids else None)
+        layout = self.model.kv_layout(cfg.page_size)
+        token_bytes = layout.page_bytes // cfg.page_size
+        self.l2_tokens = cfg.l2_tokens_for(token_bytes)
+        self.cache = HiCache(CacheConfig(
+            page_size=cfg.page_size, l1_tokens=cfg.l1_tokens, l2_tokens=self.l2_tokens,
+            write_policy=cfg.write_policy, write_through_threshold=cfg.write_through_threshold,
+            eviction_policy=cfg.eviction_policy, host_layout=cfg.host_layout,
+            device=self.device, layout=layout),
+            events=self._event_log(cfg))
+        if cfg.rank_log_dir is not None:      # fail at start, not at shutdown
+            os.makedirs(cfg.rank_log_dir, exist_ok=True)
+        self.model_tag = model_tag(cfg.model, mc)
+        self.l3_status = "off"
+        if cfg.hicache_storage_backend is not None or \
+                cfg.hicache_storage_backend_config is not None:
+            self._attach_storage(cfg, layout)
+        self.scheduler = Scheduler(self.model, self.cache, SchedulerConfig(
+            max_running_requests=cfg.max_running_requests,
+            chunked_prefill_size=cfg.chunked_prefill_size,
+            disable_radix_cache=cfg.disable_radix_cache))
+        self.model_name = mc.name
+
+    @staticmethod
+    def _event_log(cfg: ServerConfig) -> EventLog:
+        keep = cfg.record_events or cfg.rank_log_dir is not None
+        log_ = EventLog(enabled=keep or bool(cfg.inject_divergence), keep=keep)
+        if cfg.inject_divergence:
+            from engine.parallel.divergence import install
+
+            install(log_, cfg.inject_divergence)
+        return log_
+
+    def _attach_storage(self, cfg: ServerConfig, layout) -> None:
+        """L3 on, or — when the store cannot be reached — off, said on stderr and /metrics."""
+        from engine.cache.l3 import StoreTier
+        from engine.core.errors import InputError, StorageError
+        from engine.storage import BackendKind, L3Store, StorageConfig
+
+        if not self.l2_tokens:
+            raise ValueError("an L3 store needs an L2 host pool: set --l2-tokens > 0 "
+                             "(or --hicache-ratio / --hicache-size)")
+        scfg = StorageConfig.from_options(cfg.hicache_storage_backend, cfg.hicache_storage_dir,
+                                          cfg.hicache_storage_backend_config,
+                                          cfg.hicache_storage_size_limit)
+        try:
+            store = L3Store.open(scfg, layout, model_tag=self.model_tag)
+        except StorageError as exc:
+            if scfg.backend is BackendKind.FILE:   # a local path: a configuration error
+                raise InputError(f"L3 file store: {exc}") from None
+            self.l3_status = f"unavailable: {exc}"
+            log.warning("L3 store (%s) unavailable, serving with L3 off: %s",
+                        scfg.backend.value, exc)
+            return
+        self.cache.attach_l3(StoreTier(store, self.cache.l2),
+                             prefetch_policy=cfg.hicache_storage_prefetch_policy,
+                             prefetch_timeout=cfg.hicache_storage_prefetch_timeout)
+        self.l3_status = f"on ({scfg.backend.value})"
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+        if self.cfg.rank_log_dir is not None:
+            self.cache.wait_all()
+            os.makedirs(self.cfg.rank_log_dir, exist_ok=True)
+            path = os.path.join(self.cfg.rank_log_dir,
+                                f"rank{self.cache.events.rank.rank}.ranklog")
+            self.cache.events.write(path)
+            log.info("rank log written to %s", path)
+        self.cache.close()
+
+    def describe(self) -> dict[str, Any]:
+        mc = self.model.cfg
+        return {"model": mc.name, "attention": mc.attention.value, "layers": mc.num_layers,
+                "params": mc.num_params(), "device": self.device,
+                "exact_kernels": self.model.exact, "page_size": self.cfg.page_size,
+                "l1_tokens": self.cfg.l1_tokens, "l2_tokens": self.l2_tokens,
+                "host_layout": self.cfg.host_layout, "write_policy": self.cfg.write_policy,
+                "radix_cache": not self.cfg.disable_radix_cache,
+                "max_context": mc.max_context, "vocab_size": mc.vocab_size,
+                "l3": self.l3_status,
+                "l3_prefetch_policy": self.cfg.hicache_storage_prefetch_policy
+                if self.cache.l3 is not None else None}
+
+
+def model_tag(spec: str, mc: Any) -> str:
+    """What L3 keys carry so that different models (or seeds) never share stored KV."""
+    if os.path.isdir(spec):
+        import hashlib
+
+        with open(os.path.join(spec, "config.json"), "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()[:16]
+        return f"{mc.name}/config-{digest}"
+    return f"{mc.name}/seed-{getattr(mc, 'seed', None)}"

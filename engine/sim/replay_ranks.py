@@ -1,0 +1,115 @@
+"""Multi-rank trace replay: N real processes over ``torch.distributed`` (gloo).
+
+Each rank stands for one tensor-parallel rank of a replica: it replays the same trace through
+its own cache stack, records its decisions, and — with online consensus on — compares them with
+the other ranks every ``every`` requests (:mod:`engine.parallel.consensus_online`). Ranks that agree
+produce identical logs (``hicache consensus-check`` says consistent); a divergence injected on
+one rank stops every rank at the first divergent event, with the logs written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import traceback
+from typing import Any
+
+from engine.sim.replay import ReplayConfig
+
+
+@dataclasses.dataclass
+class RankRun:
+    trace: str
+    config: ReplayConfig
+    world_size: int
+    rank_log_dir: str | None = None
+    online_every: int = 0                 # 0: no online consensus
+    inject: str | None = None
+    dump_tree_dir: str | None = None      # each rank writes tree-rank{N}.snapshot there
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, run: RankRun, port: int, out: Any) -> None:
+    import torch.distributed as dist
+
+    from engine.cache.events import EventLog, RankInfo
+    from engine.loadgen.trace import read_trace
+    from engine.parallel.consensus_online import OnlineConsensus, RankConsensusError, consensus_group
+    from engine.parallel.divergence import install
+    from engine.sim.replay import replay
+
+    result: dict[str, Any] = {"rank": rank}
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=run.world_size)
+        info = RankInfo(rank=rank, world_size=run.world_size, tp_rank=rank,
+                        tp_size=run.world_size)
+        log = EventLog(info, keep=run.rank_log_dir is not None)
+        if run.inject:
+            install(log, run.inject)
+        online = None
+        if run.online_every:
+            group = consensus_group(info)
+            online = OnlineConsensus(log, group, every=run.online_every,
+                                     log_dir=run.rank_log_dir or ".")
+        records = read_trace(run.trace, run.config.limit)
+        step_hook = (lambda i: online.step_done(i - 1)) if online is not None else None
+        try:
+            res, cache = replay(records, run.config, events=log, progress=step_hook,
+                                keep_cache=run.dump_tree_dir is not None)
+            if online is not None:
+                online.check()
+            result["result"] = res.to_dict()
+            result["online_checks"] = online.checks if online is not None else 0
+        except RankConsensusError as exc:
+            result["consensus_error"] = str(exc)
+            result["log_dir"] = exc.log_dir
+        if run.dump_tree_dir and "result" in result:
+            from engine.snapshot.take import snapshot_filename, write_snapshot
+
+            os.makedirs(run.dump_tree_dir, exist_ok=True)
+            path = os.path.join(run.dump_tree_dir, snapshot_filename(rank))
+            write_snapshot(path, cache, {"source": "bench replay --ranks", "rank": info,
+                                         "trace": run.trace})
+            result["tree_snapshot"] = path
+        if run.rank_log_dir and "consensus_error" not in result:
+            os.makedirs(run.rank_log_dir, exist_ok=True)
+            path = os.path.join(run.rank_log_dir, f"rank{rank}.ranklog")
+            log.write(path)
+            result["rank_log"] = path
+        dist.destroy_process_group()
+    except BaseException as exc:  # reported to the parent, never swallowed
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()
+    out.put(result)
+
+
+def replay_ranks(run: RankRun, timeout_s: float = 600.0) -> list[dict]:
+    """Run the ranks; returns one dict per rank (ordered by rank)."""
+    import torch.multiprocessing as mp
+
+    if run.world_size < 1:
+        raise ValueError(f"world size must be >= 1, got {run.world_size}")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, run, port, out), daemon=True)
+             for r in range(run.world_size)]
+    for p in procs:
+        p.start()
+    results = []
+    try:
+        for _ in procs:
+            results.append(out.get(timeout=timeout_s))
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return sorted(results, key=lambda r: r["rank"])

@@ -1,0 +1,391 @@
+"""The embedded default L3 backend: one file per object under a directory.
+
+Layout of the store directory::
+
+    store.json                 marker: {"format": "hicache-file-store", "version": 1}
+    lock                       flock'd by every writer; holds the usage counters (bytes, objects)
+    objects/ab/<key>           fan-out by the key's first 2 characters (256 directories)
+    tmp/                       objects being written (same filesystem, so rename is atomic)
+    quarantine/<key>.<ns>      corrupt objects taken out of service (the newest few are kept)
+
+* **Atomic writes.** An object is written to ``tmp/`` and renamed into place with
+  ``os.replace``, so a reader never sees a partial object (a crash leaves only a temp file, which
+  the next eviction pass removes).
+* **Several processes at once.** Renames and usage accounting happen under an exclusive
+  ``flock`` on ``lock``; the usage counters live in that file, so every process sees the same
+  total.
+* **LRU across processes.** An object's mtime is its last use: set by the write, bumped on every
+  read hit (nanosecond clock). When the total passes ``size_limit_bytes`` the writer that noticed
+  it rescans the directory under the lock and deletes the least recently used objects until the
+  total is at most ``evict_to × size_limit_bytes``; the rescan also corrects drift from files
+  removed by hand.
+* **No escape.** Keys pass :func:`engine.storage.keys.check_key` (no separators, no dots first),
+  so every path is ``<root>/objects/xx/<key>``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import itertools
+import json
+import logging
+import os
+import shutil
+import struct
+import tempfile
+import threading
+import time
+from typing import Any, Iterator, Sequence
+
+from engine.core.errors import StorageError
+from engine.storage.backend import Buffer, Counters, GetStatus, byte_view, check_batch
+from engine.storage.config import BackendKind, FileStoreConfig, StorageConfig
+from engine.storage.keys import check_key
+
+log = logging.getLogger("hicache.storage")
+
+STORE_FORMAT = "hicache-file-store"
+STORE_VERSION = 1
+QUARANTINE_KEEP = 16
+STALE_TMP_S = 15 * 60
+_USAGE = struct.Struct("<8sQQ")
+_USAGE_MAGIC = b"HCUSAGE1"
+_seq = itertools.count()
+
+
+def _writev_all(fd: int, views: list[memoryview]) -> None:
+    views = [v for v in views if len(v)]
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+
+
+def _preadv_all(fd: int, views: list[memoryview]) -> int:
+    views = [v for v in views if len(v)]
+    off = 0
+    while views:
+        n = os.preadv(fd, views, off)
+        if n == 0:
+            break
+        off += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+    return off
+
+
+class FileBackend:
+    kind = BackendKind.FILE
+    prefers_batches = False
+
+    def __init__(self, config: FileStoreConfig | None = None):
+        self.config = config or FileStoreConfig()
+        self._owned = self.config.dir is None
+        try:
+            if self._owned:
+                self.root = tempfile.mkdtemp(prefix="hicache-l3-")
+            else:
+                self.root = os.path.realpath(os.path.expanduser(self.config.dir))
+                os.makedirs(self.root, exist_ok=True)
+            self._objdir = os.path.join(self.root, "objects")
+            self._tmpdir = os.path.join(self.root, "tmp")
+            self._qdir = os.path.join(self.root, "quarantine")
+            for d in (self._objdir, self._tmpdir, self._qdir):
+                os.makedirs(d, exist_ok=True)
+            self._check_marker()
+            self._lock_fd = os.open(os.path.join(self.root, "lock"),
+                                    os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise StorageError(f"file store {self.config.dir or 'in a temp dir'} cannot be "
+                               f"used: {e.strerror or e}") from None
+        self._tlock = threading.Lock()
+        self._dirs: set[str] = set()
+        self._sink = memoryview(bytearray(1))   # the byte past an object's end (never used)
+        self._closed = False
+        self.counters = Counters("puts", "put_skipped", "gets", "hits", "misses", "evictions",
+                                 "errors", "quarantined")
+        with self._locked():
+            if self._read_usage() is None:
+                self._write_usage(*self._scan_and_evict(None))
+            else:
+                self._clean_tmp()
+
+    @classmethod
+    def from_config(cls, config: StorageConfig) -> "FileBackend":
+        return cls(config.file)
+
+    # -- setup helpers -----------------------------------------------------------------------
+    def _check_marker(self) -> None:
+        path = os.path.join(self.root, "store.json")
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(4097)
+        except FileNotFoundError:
+            tmp = os.path.join(self._tmpdir, f"store.json.{os.getpid()}.{next(_seq)}")
+            with open(tmp, "w") as f:
+                json.dump({"format": STORE_FORMAT, "version": STORE_VERSION}, f)
+            os.replace(tmp, path)
+            return
+        try:
+            marker = json.loads(raw)
+            ok = (marker.get("format") == STORE_FORMAT
+                  and marker.get("version") == STORE_VERSION)
+        except (ValueError, AttributeError):
+            ok = False
+        if not ok:
+            raise StorageError(f"{path} is not a {STORE_FORMAT} v{STORE_VERSION} marker; "
+                               "refusing to use this directory")
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._tlock:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _read_usage(self) -> tuple[int, int] | None:
+        raw = os.pread(self._lock_fd, _USAGE.size, 0)
+        if len(raw) != _USAGE.size:
+            return None
+        magic, used, n = _USAGE.unpack(raw)
+        return (used, n) if magic == _USAGE_MAGIC else None
+
+    def _write_usage(self, used: int, n: int) -> None:
+        os.pwrite(self._lock_fd, _USAGE.pack(_USAGE_MAGIC, max(used, 0), max(n, 0)), 0)
+
+    def object_path(self, key: str) -> str:
+        """Where ``key`` lives (whether or not it exists)."""
+        check_key(key)
+        return f"{self._objdir}/{key[:2]}/{key}"
+
+    # -- eviction ----------------------------------------------------------------------------
+    def _scan_and_evict(self, target: int | None) -> tuple[int, int]:
+        """Under the lock: total the objects, delete LRU ones down to ``target`` bytes."""
+        entries: list[tuple[int, str, int]] = []
+        total = 0
+        for d in os.scandir(self._objdir):
+            if not d.is_dir(follow_symlinks=False):
+                continue
+            for f in os.scandir(d.path):
+                try:
+                    st = f.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                entries.append((st.st_mtime_ns, f.path, st.st_size))
+                total += st.st_size
+        n = len(entries)
+        if target is not None and total > target:
+            entries.sort()
+            for _, path, size in entries:
+                if total <= target:
+                    break
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                    self.counters.add("evictions")
+                total -= size
+                n -= 1
+        self._clean_tmp()
+        return total, n
+
+    def _clean_tmp(self) -> None:
+        cutoff = time.time() - STALE_TMP_S
+        for f in os.scandir(self._tmpdir):
+            with contextlib.suppress(OSError):
+                if f.stat(follow_symlinks=False).st_mtime < cutoff:
+                    os.unlink(f.path)
+
+    # -- protocol ----------------------------------------------------------------------------
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        return [os.path.exists(self.object_path(k)) for k in keys]
+
+    def get(self, keys: Sequence[str], parts: Sequence[Sequence[Buffer]]) -> list[int]:
+        check_batch(keys, parts)
+        out: list[int] = []
+        for key, ps in zip(keys, parts):
+            out.append(self._get_one(self.object_path(key), [byte_view(p) for p in ps]))
+        self.counters.add("gets", len(keys))
+        hits = sum(1 for r in out if r >= 0)
+        if hits:
+            self.counters.add("hits", hits)
+        return out
+
+    def _get_one(self, path: str, views: list[memoryview]) -> int:
+        """One open, one ``preadv`` straight into the caller's parts, one ``futimens``."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            self.counters.add("misses")
+            return GetStatus.MISS
+        except OSError as e:
+            self._error("open", path, e)
+            return GetStatus.ERROR
+        try:
+            size = sum(len(v) for v in views)
+            # Ask for one byte past the end: a longer object fills it, without an fstat. A
+            # regular file reads in full up to its end, so one call is the common case.
+            views.append(self._sink)
+            n = os.preadv(fd, views, 0)
+            if n != size:
+                if n > size or n == 0 or _preadv_all(fd, views) != size:
+                    return GetStatus.SIZE_MISMATCH
+            now = time.time_ns()
+            try:
+                os.utime(fd, ns=(now, now))    # LRU: last use (whichever process set the limit)
+            except OSError:
+                pass
+            return size
+        except OSError as e:
+            self._error("read", path, e)
+            return GetStatus.ERROR
+        finally:
+            os.close(fd)
+
+    def put(self, keys: Sequence[str], parts: Sequence[Sequence[Buffer]]) -> list[bool]:
+        """Write every object to a temp file, then publish the batch under one lock."""
+        check_batch(keys, parts)
+        out = [False] * len(keys)
+        limit = self.config.size_limit_bytes
+        staged: list[tuple[int, str, str, int]] = []
+        for i, (key, ps) in enumerate(zip(keys, parts)):
+            path = self.object_path(key)
+            views = [byte_view(p) for p in ps]
+            size = sum(len(v) for v in views)
+            if limit and size > limit:
+                continue
+            tmp = os.path.join(self._tmpdir, f"{key}.{os.getpid()}.{next(_seq)}.tmp")
+            try:
+                self._write_tmp(tmp, views)
+                parent = os.path.dirname(path)
+                if parent not in self._dirs:
+                    os.makedirs(parent, exist_ok=True)
+                    self._dirs.add(parent)
+            except OSError as e:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                self._error("write", path, e)
+                continue
+            staged.append((i, tmp, path, size))
+        if staged:
+            self._publish(staged, out)
+        return out
+
+    def _write_tmp(self, tmp: str, views: list[memoryview]) -> None:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            _writev_all(fd, views)
+            if self.config.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _publish(self, staged: list[tuple[int, str, str, int]], out: list[bool]) -> None:
+        """Under the lock: rename temp files into place (unless present), account, evict."""
+        limit = self.config.size_limit_bytes
+        done = 0
+        try:
+            with self._locked():
+                used, n = self._read_usage() or (0, 0)
+                for i, tmp, path, size in staged:
+                    done += 1
+                    try:
+                        if os.path.exists(path):          # content-addressed: keep the old one
+                            os.unlink(tmp)
+                            self.counters.add("put_skipped")
+                        else:
+                            os.replace(tmp, path)
+                            used, n = used + size, n + 1
+                            self.counters.add("puts")
+                        out[i] = True
+                    except OSError as e:
+                        with contextlib.suppress(OSError):
+                            os.unlink(tmp)
+                        self._error("publish", path, e)
+                if limit and used > limit:
+                    used, n = self._scan_and_evict(int(limit * self.config.evict_to))
+                self._write_usage(used, n)
+        except OSError as e:
+            self._error("lock", os.path.join(self.root, "lock"), e)
+            for _, tmp, _, _ in staged[done:]:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+
+    def delete(self, keys: Sequence[str]) -> int:
+        paths = [self.object_path(k) for k in keys]
+        removed = 0
+        with self._locked():
+            used, n = self._read_usage() or (0, 0)
+            for p in paths:
+                try:
+                    size = os.stat(p).st_size
+                    os.unlink(p)
+                except FileNotFoundError:
+                    continue
+                used, n, removed = used - size, n - 1, removed + 1
+            self._write_usage(used, n)
+        return removed
+
+    def quarantine(self, key: str) -> None:
+        path = self.object_path(key)
+        dest = os.path.join(self._qdir, f"{key}.{time.time_ns()}")
+        with self._locked():
+            try:
+                size = os.stat(path).st_size
+                os.replace(path, dest)
+            except FileNotFoundError:
+                return
+            except OSError as e:
+                self._error("quarantine", path, e)
+                return
+            used, n = self._read_usage() or (0, 0)
+            self._write_usage(used - size, n - 1)
+            kept = sorted(os.scandir(self._qdir), key=lambda f: f.name.rsplit(".", 1)[-1])
+            for f in kept[:-QUARANTINE_KEEP]:
+                with contextlib.suppress(OSError):
+                    os.unlink(f.path)
+        self.counters.add("quarantined")
+        log.warning("quarantined corrupt object %s to %s", key, dest)
+
+    def quarantined(self) -> list[str]:
+        return sorted(os.listdir(self._qdir))
+
+    def register_memory(self, buf: Buffer) -> bool:
+        return False
+
+    def unregister_memory(self, buf: Buffer) -> None:
+        return None
+
+    def usage(self) -> tuple[int, int]:
+        """(bytes, objects) as the shared counters say."""
+        with self._locked():
+            return self._read_usage() or (0, 0)
+
+    def health(self) -> dict[str, Any]:
+        healthy = not self._closed and os.access(self._objdir, os.W_OK)
+        used, n = self.usage() if not self._closed else (0, 0)
+        return {"backend": self.kind.value, "healthy": healthy, "dir": self.root,
+                "bytes": used, "objects": n, "size_limit_bytes": self.config.size_limit_bytes,
+                **self.counters.as_dict()}
+
+    def _error(self, what: str, path: str, e: OSError) -> None:
+        self.counters.add("errors")
+        level = logging.WARNING if e.errno in (errno.ENOSPC, errno.EIO, errno.EROFS) else \
+            logging.INFO
+        log.log(level, "file store: %s %s failed: %s", what, path, e)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        os.close(self._lock_fd)
+        if self._owned:
+            shutil.rmtree(self.root, ignore_errors=True)
