@@ -5,6 +5,7 @@ For each backend (memory, file, mooncake) and each object size — 64-token page
 (page 256) — this times
 
 * ours: ``L3Store.put_pages`` / ``get_pages`` between a ``page_first`` host pool and the store
+  (on a one-cell grid: one object per page)
   (existence check, header + XXH3 checksum, atomic write; on read, header/layout/checksum
   verification), in batches as the store issues them;
 * raw: the same number of objects of the same size moved the plainest way the backend allows —
@@ -46,6 +47,7 @@ from engine.cache.pool import HostPool  # noqa: E402
 from engine.core.hashing import namespace_seed, page_hashes  # noqa: E402
 from engine.core.layout import KVLayout  # noqa: E402
 from engine.storage import L3Store, StorageConfig, make_backend  # noqa: E402
+from engine.storage.placement import Placement  # noqa: E402
 from engine.storage.config import FileStoreConfig  # noqa: E402
 
 SIZES = {
@@ -127,7 +129,10 @@ class Raw:
 
 class Ours:
     def __init__(self, backend, layout: KVLayout, n: int):
-        self.store = L3Store(backend, layout)
+        # A one-cell grid: each page is one object, like the raw side (the default grid cuts a
+        # page into several objects; docs/storage.md, "Unified layout").
+        self.store = L3Store(backend, layout, placement=Placement(
+            grid=f"layers={layout.num_layers},heads={layout.kv_heads}"))
         self.n = n
         self.src = HostPool(layout, n, host_layout="page_first")
         self.src.buf.copy_(torch.randn(self.src.buf.shape, generator=torch.Generator()

@@ -18,10 +18,12 @@ from engine.storage.backends.file import FileBackend
 from engine.storage.backends.memory import MemoryBackend
 from engine.storage.backends.mooncake import MooncakeBackend
 from engine.storage.config import FileStoreConfig
+from engine.storage.placement import Placement
 from formats.kvobject import KVObjectCodec
 from tests.mooncake_master import MooncakeMaster
 
 LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=8, page_size=4)   # 1 KiB pages
+ONE_OBJECT = Placement(grid="layers=2,heads=2")   # a page is one object (a 1×1 grid)
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +221,7 @@ def flip(at: int):
 @pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
 @pytest.mark.parametrize("where", ["payload", "header", "truncated", "misplaced"])
 def test_corrupt_objects_are_counted_and_quarantined(backend, host_layout, where):
-    st = L3Store(backend, LAYOUT)
+    st = L3Store(backend, LAYOUT, placement=ONE_OBJECT)
     src, dst = make_pool(host_layout), make_pool(host_layout, fill=False)
     hs = chain(3)
     assert st.put_pages(hs, src, [0, 1, 2]) == 3
@@ -244,14 +246,15 @@ def test_corrupt_objects_are_counted_and_quarantined(backend, host_layout, where
 
 
 def test_layout_mismatch_is_a_warned_miss_never_reinterpreted(backend, caplog):
-    st = L3Store(backend, LAYOUT)
+    st = L3Store(backend, LAYOUT, placement=ONE_OBJECT)
     src = make_pool("page_first")
     dst = make_pool("page_first", fill=False)
     hs = chain(2)
     st.put_pages(hs[:1], src, [0])
     # Same byte size, other dims: only the header can tell them apart.
-    foreign = KVLayout(num_layers=2, kv_heads=4, head_dim=4, page_size=4)
-    codec = KVObjectCodec(foreign.to_dict())
+    foreign = KVLayout(num_layers=2, kv_heads=4, head_dim=4, page_size=4, total_layers=2,
+                       total_kv_heads=4)
+    codec = KVObjectCodec({**st.codec.layout, **foreign.to_dict()})
     assert codec.header_len == st.codec.header_len
     payload = blob(foreign.page_bytes, 9)
     backend.put([st.keys(hs)[1]], [[codec.encode(hs[1], payload)]])
@@ -277,7 +280,7 @@ def test_bfloat16_pages_round_trip(backend):
 
 def test_page_first_pools_need_no_bounce_copy(backend):
     """Pool pages and headers live in registered memory: nothing goes through staging."""
-    st = L3Store(backend, LAYOUT)
+    st = L3Store(backend, LAYOUT, placement=ONE_OBJECT)
     src, dst = make_pool("page_first"), make_pool("page_first", fill=False)
     before = backend.health().get("staged_bytes", 0)
     hs = chain(4)

@@ -21,8 +21,10 @@ from engine.core.layout import KVLayout
 from engine.storage import L3Store
 from engine.storage.backends.file import FileBackend
 from engine.storage.config import FileStoreConfig
+from engine.storage.placement import Placement
 
 LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=8, page_size=4)
+ONE_OBJECT = Placement(grid="layers=2,heads=2")   # a page is one object (a 1×1 grid)
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -39,7 +41,7 @@ def filled_pool() -> HostPool:
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_damaged_files_are_misses_and_moved_to_quarantine(tmp_path, damage):
     b = open_store(tmp_path)
-    st = L3Store(b, LAYOUT)
+    st = L3Store(b, LAYOUT, placement=ONE_OBJECT)
     src, dst = filled_pool(), HostPool(LAYOUT, 4, host_layout="page_first")
     hs = page_hashes(np.arange(12), 4)
     assert st.put_pages(hs, src, [0, 1, 2]) == 3

@@ -18,9 +18,11 @@ from engine.core.layout import KVLayout
 from engine.storage import L3Store, StorageConfig, make_backend
 from engine.storage.backends.mooncake import MooncakeBackend
 from engine.storage.config import MooncakeStoreConfig
+from engine.storage.placement import Placement
 from tests.mooncake_master import MooncakeMaster, free_port
 
 LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=8, page_size=4)
+ONE_OBJECT = Placement(grid="layers=2,heads=2")   # a page is one object (a 1×1 grid)
 
 
 def chain(n: int):
@@ -72,7 +74,7 @@ def test_master_killed_mid_run_then_back(tmp_path):
     cfg = StorageConfig.from_json_file(cfg_file)
     b = make_backend(StorageConfig("mooncake", mooncake=m.config(backoff_max_s=0.4)))
     assert cfg.mooncake.master_server_address == b.config.master_server_address
-    st = L3Store(b, LAYOUT)
+    st = L3Store(b, LAYOUT, placement=ONE_OBJECT)
     src, dst = pool(), pool(fill=False)
     hs = chain(4)
     try:

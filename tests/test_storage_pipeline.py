@@ -15,9 +15,11 @@ from engine.core.hashing import namespace_seed, page_hashes
 from engine.core.layout import KVLayout
 from engine.storage import L3Store
 from engine.storage.backends.memory import MemoryBackend
+from engine.storage.placement import Placement
 from formats.kvobject import CorruptKVObject, KVObjectCodec
 
 LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=8, page_size=4)   # 1 KiB pages
+ONE_OBJECT = Placement(grid="layers=2,heads=2")   # a page is one object (a 1×1 grid)
 N = 20
 
 
@@ -50,7 +52,7 @@ def chain(n: int):
 @pytest.fixture
 def setup():
     b = BatchedMemory()
-    st = L3Store(b, LAYOUT, batch_pages=3, get_pipeline=True)
+    st = L3Store(b, LAYOUT, placement=ONE_OBJECT, batch_pages=3, get_pipeline=True)
     src, dst = pool(True), pool(False)
     hs = chain(N)
     assert st.put_pages(hs, src, list(range(N))) == N

@@ -85,3 +85,61 @@ class KVLayout:
         if unknown:
             raise ValueError(f"unknown KVLayout fields: {sorted(unknown)}")
         return cls(**d)
+
+    # -- the model and its shards -------------------------------------------------------------
+    @property
+    def model_layers(self) -> int:
+        """Layers of the whole model (``total_layers``, or the end of this range)."""
+        return self.total_layers if self.total_layers is not None else \
+            self.layer_start + self.num_layers
+
+    @property
+    def model_kv_heads(self) -> int:
+        """Kv-heads of the whole model (``total_kv_heads``, or the end of this range)."""
+        return self.total_kv_heads if self.total_kv_heads is not None else \
+            self.head_start + self.kv_heads
+
+    def region(self, layers: tuple[int, int], heads: tuple[int, int]) -> "KVLayout":
+        """The same model restricted to ``layers`` × ``heads`` (``[start, end)`` ranges of the
+        whole model), with the model totals filled in."""
+        L, H = self.model_layers, self.model_kv_heads
+        if not (0 <= layers[0] < layers[1] <= L and 0 <= heads[0] < heads[1] <= H):
+            raise ValueError(f"region layers {layers} × heads {heads} is outside the model "
+                             f"({L} layers, {H} kv-heads)")
+        return dataclasses.replace(self, layer_start=layers[0], num_layers=layers[1] - layers[0],
+                                   head_start=heads[0], kv_heads=heads[1] - heads[0],
+                                   total_layers=L, total_kv_heads=H)
+
+    def whole(self) -> "KVLayout":
+        """The whole model's layout (every layer and kv-head)."""
+        return self.region((0, self.model_layers), (0, self.model_kv_heads))
+
+    def shard(self, tp: int = 1, tp_rank: int = 0, pp: int = 1, pp_rank: int = 0) -> "KVLayout":
+        """The part of the whole model rank (``tp_rank``, ``pp_rank``) of a TP×PP deployment
+        holds: :func:`pp_layer_range` × :func:`tp_head_range`."""
+        heads = (0, 1) if self.kv_kinds == 1 else tp_head_range(self.model_kv_heads, tp, tp_rank)
+        return self.region(pp_layer_range(self.model_layers, pp, pp_rank), heads)
+
+
+def pp_layer_range(layers: int, pp: int, rank: int) -> tuple[int, int]:
+    """Layers of pipeline stage ``rank`` of ``pp``: an even split, the first ``layers % pp``
+    stages one layer more."""
+    if not (1 <= pp <= layers and 0 <= rank < pp):
+        raise ValueError(f"pipeline stage {rank} of {pp} is impossible with {layers} layers")
+    base, extra = divmod(layers, pp)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+def tp_head_range(heads: int, tp: int, rank: int) -> tuple[int, int]:
+    """Kv-heads of tensor-parallel rank ``rank`` of ``tp``: ``heads / tp`` each, or, with more
+    ranks than heads, one head shared by ``tp / heads`` consecutive ranks."""
+    if not (tp >= 1 and 0 <= rank < tp):
+        raise ValueError(f"tensor-parallel rank {rank} of {tp} is impossible")
+    if heads % tp == 0:
+        n = heads // tp
+        return rank * n, (rank + 1) * n
+    if tp % heads == 0:
+        h = rank // (tp // heads)
+        return h, h + 1
+    raise ValueError(f"{heads} kv-heads cannot be split over {tp} tensor-parallel ranks")

@@ -1,31 +1,38 @@
 """Pages of a host pool ↔ self-describing objects in a backend: what the cache facade calls.
 
-One object per page holds all layers and kv-heads of the writer's layout; its key is the page's
-chained hash plus the layout coordinate (:mod:`engine.storage.keys`), so the unified-layout work
-can later split a page into layer × head ranges without changing anything here but the layout.
+A page of the pool's shard is stored as the objects its :class:`Placement` names
+(:mod:`engine.storage.placement`): in the unified layout one object per grid rectangle (layer
+range × kv-head range) of the page, in the legacy layout one object per rank. Keys are the page's
+chained hash plus the rectangle's coordinate (:mod:`engine.storage.keys`).
 
-* ``exists_prefix(hashes)``: how many *leading* pages are stored.
-* ``put_pages(hashes, pool, pages)``: back pages up, skipping those already stored.
-* ``get_pages(hashes, pool, pages)``: load leading pages; stops at the first miss, corrupt object
-  or layout mismatch. Every object's header (magic, version, layout, page hash, sizes) and
-  payload checksum are verified before a page is reported loaded.
+* ``exists_prefix(hashes)``: how many *leading* pages are stored (every object of the page).
+* ``put_pages(hashes, pool, pages)``: back pages up, skipping objects already stored.
+* ``get_pages(hashes, pool, pages)``: load leading pages; stops at the first page with a missing,
+  corrupt or foreign object. Every object's header (magic, version, layout, page hash, sizes) and
+  payload checksum are verified before a page is reported loaded. All objects of a page (of a
+  batch of pages, for a network store) are fetched in one batched get.
 
-Zero copy: with a ``page_first`` host pool a page is one contiguous slice of the pool, so the
-payload goes straight from / into pool memory (registered with the backend once) and only the
-small header goes through an arena. A ``layer_first`` pool goes through a staging arena: the page
-is checked there and then copied into the pool with :meth:`HostPool.set_page`. In the zero-copy
-path the bytes of a page that fails its checks have already landed in the destination page (and,
-with a pipelined batched get, those of the batch after it): ``get_pages`` only vouches for
-``host_pages[:n_ok]``; the caller frees the rest unused.
+A reader whose shard cuts through a rectangle (a TP8 reader of a store written on a grid of
+2-head groups) reads the whole rectangle and keeps its part. A writer whose shard cuts a
+rectangle is refused when the store is opened (``ValueError``): it does not hold all of the
+rectangle's bytes. ``read_only=True`` opens such a shard for reading.
+
+Zero copy: with a ``page_first`` host pool a rectangle spanning all of the shard's kv-heads is
+one contiguous slice of the pool, so its payload goes straight from / into pool memory
+(registered with the backend once) and only the small header goes through an arena. Other
+rectangles (a subset of the heads) and ``layer_first`` pools go through a staging arena: the
+object is checked there and then copied into the pool. In the zero-copy path the bytes of a page
+that fails its checks have already landed in the destination page (and, with a pipelined batched
+get, those of the batch after it): ``get_pages`` only vouches for ``host_pages[:n_ok]``; the
+caller frees the rest unused.
 
 Batches are about ``batch_bytes`` (8 MiB), so a batch is still in the last-level cache when it
-is moved after its checksum. A put asks the backend which pages exist once per call (not once per
-batch: for a network store each query is a round trip) and hands it whole batches. With more than
-two CPUs puts are pipelined (a helper thread encodes the next batch while the backend moves this
-one with the GIL released); gets from a batched store are always pipelined (the next batch is
-fetched while this one is verified — verification reads bytes the transfer just left in cache,
-so it does not compete for memory bandwidth). Local backends (file, memory) are read one object
-at a time, each checksummed right after it is read.
+is moved after its checksum. A put asks the backend which objects exist once per call (not once
+per batch: for a network store each query is a round trip) and hands it whole batches. With more
+than two CPUs puts are pipelined (a helper thread encodes the next batch while the backend moves
+this one with the GIL released); gets from a batched store are pipelined when every object is
+zero-copy (the next batch is fetched while this one is verified). Local backends (file, memory)
+are read one page at a time, each object checksummed right after it is read.
 
 Corrupt or truncated objects are misses, counted and quarantined (taken out of the store). A
 layout mismatch is a miss with a warning; its bytes are never interpreted.
@@ -47,7 +54,8 @@ from engine.core.hashing import PageHash
 from engine.core.layout import KVLayout
 from engine.storage.backend import Counters, GetStatus, StorageBackend, make_backend
 from engine.storage.config import StorageConfig
-from engine.storage.keys import coordinate, object_key
+from engine.storage.keys import object_key
+from engine.storage.placement import KVOrder, Placement, Tile, span
 from formats.kvobject import CorruptKVObject, KVLayoutMismatch, KVObjectCodec
 
 log = logging.getLogger("hicache.storage")
@@ -61,37 +69,65 @@ def _u8(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
+class _Part:
+    """One object of every page: its tile, codec, and where its bytes sit in a shard's page."""
+
+    def __init__(self, tile: Tile, shard: KVLayout):
+        self.tile = tile
+        self.codec = KVObjectCodec(tile.description)
+        self.payload_len = tile.payload_len
+        self.object_size = self.codec.object_size(self.payload_len)
+        (sl0, sl1), (sh0, sh1) = span(shard)
+        (tl0, tl1), (th0, th1) = tile.layers, tile.heads
+        il0, il1, ih0, ih1 = max(tl0, sl0), min(tl1, sl1), max(th0, sh0), min(th1, sh1)
+        lay = tile.layout
+        self.shape = (lay.num_layers, lay.kv_kinds, lay.page_size, lay.kv_heads, lay.head_dim)
+        # The overlap, in the tile's coordinates and in the shard page's.
+        self.in_tile = (slice(il0 - tl0, il1 - tl0), slice(None), slice(None),
+                        slice(ih0 - th0, ih1 - th0))
+        self.in_page = (slice(il0 - sl0, il1 - sl0), slice(None), slice(None),
+                        slice(ih0 - sh0, ih1 - sh0))
+        # All of the shard's heads over whole layers: one contiguous run of a page_first page.
+        self.contiguous = (th0, th1) == (sh0, sh1) and sl0 <= tl0 and tl1 <= sl1
+        layer_bytes = shard.page_bytes // shard.num_layers
+        self.offset = (tl0 - sl0) * layer_bytes
+
+
 class L3Store:
     def __init__(self, backend: StorageBackend, layout: KVLayout, *, model_tag: str = "",
+                 placement: Placement | None = None, read_only: bool = False,
                  batch_pages: int = 32, batch_bytes: int = 8 << 20, zero_copy: bool = True,
                  pipeline: bool | None = None, get_pipeline: bool | None = None):
         self.backend = backend
         self.layout = layout
-        self.codec = KVObjectCodec(layout.to_dict())
-        self.coord = coordinate(layout, model_tag)
-        self.payload_len = layout.page_bytes
-        self.object_size = self.codec.object_size(self.payload_len)
+        self.placement = placement or Placement()
+        if self.placement.kv_order is not KVOrder.LAYER_FIRST:
+            raise ValueError("the L3 store reads and writes layer_first payloads; convert a "
+                             "page_first store with `hicache convert-layout`")
+        self.read_only = read_only
+        # Raises ValueError up front for a writer whose shard cuts the grid.
+        self.parts = [_Part(t, layout) for t in
+                      self.placement.tiles(layout, model_tag, writing=not read_only)]
+        self.suffixes = [p.tile.suffix for p in self.parts]
+        self.n_parts = len(self.parts)
+        self.page_object_bytes = sum(p.object_size for p in self.parts)
+        read_bytes = sum(p.payload_len for p in self.parts)
         # Pages per backend batch: at most batch_pages and about batch_bytes (a batch that stays
-        # in the last-level cache between its checksum and its transfer); also the staging size.
-        self.batch = max(1, min(batch_pages, batch_bytes // self.payload_len))
+        # in the last-level cache between its checksum and its transfer).
+        self.batch = max(1, min(batch_pages, batch_bytes // read_bytes))
         self.zero_copy = zero_copy
-        # Objects per backend call: a whole batch for a network store; one at a time for local
-        # backends, so each object is checksummed while it is still in cache.
+        # Pages per backend get: a whole batch for a network store; one page at a time for
+        # local backends, so each object is checksummed while it is still in cache.
         self.io_batch = self.batch if getattr(backend, "prefers_batches", True) else 1
-        # Puts go in whole batches to every backend: the checksums of a batch (~8 MiB) are
-        # still in the last-level cache when it is written, and the file store publishes a
-        # batch under one lock instead of one lock per object.
         self.put_batch = self.batch
-        # Header arena: rows [0, batch) for the chunk being moved, [batch, 2*batch) for the
-        # chunk being encoded meanwhile (puts are pipelined, see put_pages).
-        self._headers = np.zeros((2 * self.batch, self.codec.header_len), dtype=np.uint8)
+        rows = 2 * self.batch * self.n_parts     # two halves: one moving, one being prepared
+        self._hlen = max(p.codec.header_len for p in self.parts)
+        self._plen = max(p.payload_len for p in self.parts)
+        self._headers = np.zeros((rows, self._hlen), dtype=np.uint8)
         self.backend.register_memory(self._headers)
         # Encoding the next batch in a helper thread pays off only with cores to spare; on a
         # 2-core machine the thread competes with the transfer (measured: slower).
         self.pipeline = (os.cpu_count() or 1) > 2 if pipeline is None else pipeline
-        # Gets from a batched (network) store are pipelined whatever the CPU count: verifying a
-        # batch reads bytes the transfer just left in cache, so it does not compete with the next
-        # transfer for memory bandwidth (measured on 2 CPUs: 0.70 -> 0.85-0.98 of raw).
         self.get_pipeline = True if get_pipeline is None else get_pipeline
         self._encoder: concurrent.futures.ThreadPoolExecutor | None = None
         self._staging: np.ndarray | None = None
@@ -101,16 +137,33 @@ class L3Store:
         self._warned: set[str] = set()
         self.counters = Counters("hits", "misses", "corrupt", "layout_mismatch", "errors",
                                  "bytes_read", "bytes_written", "puts", "put_skipped",
-                                 "put_failed")
+                                 "put_failed", "objects_written")
 
     @classmethod
     def open(cls, config: StorageConfig, layout: KVLayout, **kw: Any) -> "L3Store":
-        """Backend from config + store; raises StorageError when the backend cannot start."""
-        return cls(make_backend(config), layout, **kw)
+        """Backend from config + store; raises StorageError when the backend cannot start,
+        ValueError when this shard cannot write the placement's objects."""
+        backend = make_backend(config)
+        try:
+            return cls(backend, layout, **kw)
+        except ValueError:
+            backend.close()
+            raise
+
+    @property
+    def object_size(self) -> int:
+        """Bytes of one page's objects together (headers included)."""
+        return self.page_object_bytes
+
+    @property
+    def codec(self) -> KVObjectCodec:
+        """The codec of the first object of a page (the only one when a page is one object)."""
+        return self.parts[0].codec
 
     def keys(self, hashes: Sequence[PageHash]) -> list[str]:
-        c = self.coord
-        return [object_key(h, c) for h in hashes]
+        """Every object key of ``hashes``, page by page (``n_parts`` per page)."""
+        sfx = self.suffixes
+        return [object_key(h, s) for h in hashes for s in sfx]
 
     # -- pool binding ------------------------------------------------------------------------
     def _bind(self, pool: HostPool) -> None:
@@ -123,27 +176,42 @@ class L3Store:
             self._pool_u8 = None
         self._pool = pool
         if (self.zero_copy and pool.host_layout is HostLayout.PAGE_FIRST
-                and pool.buf.is_contiguous()):
+                and pool.buf.is_contiguous() and any(p.contiguous for p in self.parts)):
             self._pool_u8 = _u8(pool.buf)
             self.backend.register_memory(self._pool_u8)
 
-    def _staging_rows(self) -> np.ndarray:
+    def _staging_row(self, slot: int, part: _Part) -> np.ndarray:
         if self._staging is None:
-            self._staging = np.empty((self.batch, self.payload_len), dtype=np.uint8)
+            self._staging = np.empty((2 * self.batch * self.n_parts, self._plen),
+                                     dtype=np.uint8)
             self.backend.register_memory(self._staging)
-        return self._staging
+        return self._staging[slot, :part.payload_len]
 
-    def _page_view(self, page: int) -> np.ndarray:
-        n = self.payload_len
-        return self._pool_u8[int(page) * n:(int(page) + 1) * n]
+    def _direct(self, part: _Part) -> bool:
+        return self._pool_u8 is not None and part.contiguous
+
+    def _pool_view(self, page: int, part: _Part) -> np.ndarray:
+        at = int(page) * self.layout.page_bytes + part.offset
+        return self._pool_u8[at:at + part.payload_len]
+
+    def _page_tensor(self, pool: HostPool, page: int) -> torch.Tensor:
+        """``[layers, kv_kinds, page_size, kv_heads, head_dim]`` view of one pool page."""
+        if pool.host_layout is HostLayout.PAGE_FIRST:
+            return pool.buf[int(page)]
+        s = int(page) * self.layout.page_size
+        return pool.buf[:, :, s:s + self.layout.page_size]
+
+    def _as_tile(self, row: np.ndarray, part: _Part) -> torch.Tensor:
+        return torch.from_numpy(row).view(self.layout.torch_dtype).view(part.shape)
 
     # -- queries -----------------------------------------------------------------------------
     def exists_prefix(self, hashes: Sequence[PageHash]) -> int:
-        n = 0
-        for s in range(0, len(hashes), EXISTS_BATCH):
-            found = self.backend.exists(self.keys(hashes[s:s + EXISTS_BATCH]))
-            for f in found:
-                if not f:
+        n, T = 0, self.n_parts
+        step = max(1, EXISTS_BATCH // T)
+        for s in range(0, len(hashes), step):
+            found = self.backend.exists(self.keys(hashes[s:s + step]))
+            for j in range(0, len(found), T):
+                if not all(found[j:j + T]):
                     return n
                 n += 1
         return n
@@ -151,86 +219,89 @@ class L3Store:
     def put_pages(self, hashes: Sequence[PageHash], host_pool: HostPool,
                   host_pages: Sequence[int]) -> int:
         """Store pages; returns how many of them are in the store afterwards (written now or
-        already there — those are skipped, not rewritten).
+        already there — objects already stored are skipped, not rewritten).
 
         Pipelined: while the backend moves one chunk (native code, GIL released), a helper
         thread checksums and encodes the headers of the next one."""
         if len(hashes) != len(host_pages):
             raise ValueError(f"{len(hashes)} hashes but {len(host_pages)} pages")
-        stored = 0
+        if self.read_only:
+            raise ValueError("this L3 store was opened read-only (its shard cuts the grid)")
+        T = self.n_parts
         with self._lock:
             self._bind(host_pool)
-            # One existence query per EXISTS_BATCH pages (not one per transfer batch: for a
-            # network store each is a round trip), then the missing pages in transfer batches.
-            todo_k: list[str] = []
-            todo_h: list = []
-            todo_p: list[int] = []
-            for s in range(0, len(hashes), EXISTS_BATCH):
-                hs = hashes[s:s + EXISTS_BATCH]
-                keys = self.keys(hs)
+            # One existence query per EXISTS_BATCH objects (for a network store each is a round
+            # trip), then the missing objects in transfer batches.
+            todo: list[tuple[str, bytes, int, int, int]] = []   # key, hash, pool page, part, j
+            step = max(1, EXISTS_BATCH // T)
+            for s in range(0, len(hashes), step):
+                keys = self.keys(hashes[s:s + step])
                 for i, there in enumerate(self.backend.exists(keys)):
                     if not there:
-                        todo_k.append(keys[i])
-                        todo_h.append(hs[i])
-                        todo_p.append(int(host_pages[s + i]))
-            stored = len(hashes) - len(todo_k)
-            self.counters.add("put_skipped", stored)
-            step = self.put_batch
-            chunks = [(todo_k[t:t + step], todo_h[t:t + step], todo_p[t:t + step])
-                      for t in range(0, len(todo_k), step)]
-            if not chunks:
-                return stored
-            pool = host_pool
-            if self.pipeline and len(chunks) > 1:
+                        j = s + i // T
+                        todo.append((keys[i], hashes[j], int(host_pages[j]), i % T, j))
+            missing = {t[4] for t in todo}
+            self.counters.add("put_skipped", len(hashes) - len(missing))
+            size = self.put_batch * T
+            chunks = [todo[t:t + size] for t in range(0, len(todo), size)]
+            failed: set[int] = set()
+            piped = self.pipeline and len(chunks) > 1
+            if piped:
                 if self._encoder is None:
                     self._encoder = concurrent.futures.ThreadPoolExecutor(
                         1, thread_name_prefix="l3-encode")
-                nxt = self._encoder.submit(self._encode, chunks[0], 0, pool)
-            for c, (keys, _, _) in enumerate(chunks):
-                if self.pipeline and len(chunks) > 1:
+                nxt = self._encoder.submit(self._encode, chunks[0], 0, host_pool)
+            for c, chunk in enumerate(chunks):
+                if piped:
                     parts = nxt.result()
                     if c + 1 < len(chunks):
                         nxt = self._encoder.submit(self._encode, chunks[c + 1], (c + 1) % 2,
-                                                   pool)
+                                                   host_pool)
                 else:
-                    parts = self._encode(chunks[c], 0, pool)
-                n_ok = sum(self.backend.put(keys, parts))
-                stored += n_ok
-                self.counters.add("puts", n_ok)
-                self.counters.add("put_failed", len(keys) - n_ok)
-                self.counters.add("bytes_written", n_ok * self.object_size)
-        return stored
+                    parts = self._encode(chunk, 0, host_pool)
+                oks = self.backend.put([t[0] for t in chunk], parts)
+                for t, ok in zip(chunk, oks):
+                    if ok:
+                        self.counters.add("objects_written")
+                        self.counters.add("bytes_written", self.parts[t[3]].object_size)
+                    else:
+                        failed.add(t[4])
+            self.counters.add("puts", len(missing - failed))
+            self.counters.add("put_failed", len(failed))
+        return len(hashes) - len(failed)
 
-    def _encode(self, chunk: tuple[list[str], list, list], half: int,
+    def _encode(self, chunk: list[tuple[str, bytes, int, int, int]], half: int,
                 pool: HostPool) -> list[list[np.ndarray]]:
-        """Headers of one chunk into arena half ``half``; returns the parts to put."""
-        _, hs, ps = chunk
-        base = half * self.batch
-        parts = []
-        for slot, (h, p) in enumerate(zip(hs, ps)):
-            if self._pool_u8 is not None:
-                payload = self._page_view(p)
+        """Headers (and staged payloads) of one chunk into arena half ``half``; returns the
+        parts to put."""
+        base = half * self.batch * self.n_parts
+        out = []
+        for slot, (_, h, p, t, _) in enumerate(chunk, start=base):
+            part = self.parts[t]
+            if self._direct(part):
+                payload = self._pool_view(p, part)
             else:
-                payload = _u8(pool.get_page(p).contiguous())
-            row = self._headers[base + slot]
-            self.codec.encode_header_into(row, h, payload)
-            parts.append([row, payload])
-        return parts
+                payload = self._staging_row(slot, part)
+                self._as_tile(payload, part).copy_(self._page_tensor(pool, p)[part.in_page])
+            row = self._headers[slot, :part.codec.header_len]
+            part.codec.encode_header_into(row, h, payload)
+            out.append([row, payload])
+        return out
 
     def get_pages(self, hashes: Sequence[PageHash], host_pool: HostPool,
                   host_pages: Sequence[int]) -> int:
         """Load leading pages into ``host_pages``; returns how many were loaded and verified
-        (stops at the first miss / corrupt object / mismatch)."""
+        (stops at the first page with a miss / corrupt object / mismatch)."""
         if len(hashes) != len(host_pages):
             raise ValueError(f"{len(hashes)} hashes but {len(host_pages)} pages")
-        n_ok = 0
+        n_ok, T = 0, self.n_parts
         with self._lock:
             self._bind(host_pool)
-            zc = self._pool_u8 is not None
+            direct = [self._direct(p) for p in self.parts]
             io = self.io_batch
-            # Pipelined (zero copy, batches): the next batch is fetched in a helper thread (native
-            # code, GIL released) while this one is verified.
-            ahead = self.get_pipeline and zc and io > 1 and len(hashes) > io
+            # Pipelined (all zero copy, batches): the next batch is fetched in a helper thread
+            # (native code, GIL released) while this one is verified.
+            ahead = self.get_pipeline and all(direct) and io > 1 and len(hashes) > io
             nxt = None
             try:
                 for c, s in enumerate(range(0, len(hashes), io)):
@@ -244,35 +315,46 @@ class L3Store:
                         nxt = self._helper().submit(
                             self._fetch, hashes[s + io:s + 2 * io],
                             host_pages[s + io:s + 2 * io], (c + 1) % 2)
-                    for i, r in enumerate(results):
-                        verdict = self._accept(keys[i], hs[i], r, headers[i], payloads[i])
-                        if verdict is not True:
-                            if nxt is not None:     # the store does one thing at a time
-                                nxt.result()
-                                nxt = None
-                            if verdict == "corrupt":
-                                self.backend.quarantine(keys[i])
-                            return n_ok
-                        if not zc:
-                            host_pool.set_page(int(ps[i]), torch.from_numpy(payloads[i])
-                                               .view(self.layout.torch_dtype))
+                    for j in range(len(hs)):
+                        for t in range(T):
+                            i = j * T + t
+                            verdict = self._accept(t, keys[i], hs[j], results[i], headers[i],
+                                                   payloads[i])
+                            if verdict is not True:
+                                if nxt is not None:     # the store does one thing at a time
+                                    nxt.result()
+                                    nxt = None
+                                if verdict == "corrupt":
+                                    self.backend.quarantine(keys[i])
+                                return n_ok
+                        if not all(direct):
+                            page = self._page_tensor(host_pool, ps[j])
+                            for t, part in enumerate(self.parts):
+                                if not direct[t]:
+                                    page[part.in_page].copy_(
+                                        self._as_tile(payloads[j * T + t], part)[part.in_tile])
                         n_ok += 1
             finally:
                 if nxt is not None:     # a fetch still writing into the arena: let it finish
                     nxt.result()
                 if n_ok:    # counted once per call, not per page
                     self.counters.add("hits", n_ok)
-                    self.counters.add("bytes_read", n_ok * self.object_size)
+                    self.counters.add("bytes_read", n_ok * self.page_object_bytes)
         return n_ok
 
     def _fetch(self, hs: Sequence[PageHash], ps: Sequence[int], half: int):
-        """One backend get of a batch into its pages (or the staging rows), headers into arena
-        half ``half``; returns (keys, payloads, headers, results)."""
+        """One backend get of every object of a batch of pages into the pool (or staging
+        rows), headers into arena half ``half``; returns (keys, payloads, headers, results)."""
         keys = self.keys(hs)
-        payloads = ([self._page_view(p) for p in ps] if self._pool_u8 is not None
-                    else list(self._staging_rows()[:len(ps)]))
-        headers = self._headers[half * self.batch:half * self.batch + len(ps)]
-        results = self.backend.get(keys, [[headers[i], pl] for i, pl in enumerate(payloads)])
+        base = half * self.batch * self.n_parts
+        payloads, headers = [], []
+        for j, p in enumerate(ps):
+            for t, part in enumerate(self.parts):
+                slot = base + j * self.n_parts + t
+                payloads.append(self._pool_view(p, part) if self._direct(part)
+                                else self._staging_row(slot, part))
+                headers.append(self._headers[slot, :part.codec.header_len])
+        results = self.backend.get(keys, [[h, pl] for h, pl in zip(headers, payloads)])
         return keys, payloads, headers, results
 
     def _helper(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -280,9 +362,9 @@ class L3Store:
             self._encoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="l3-io")
         return self._encoder
 
-    def _accept(self, key: str, page_hash: bytes, r: int, header: np.ndarray,
+    def _accept(self, t: int, key: str, page_hash: bytes, r: int, header: np.ndarray,
                 payload: np.ndarray) -> bool | str:
-        """True for a sound page of ours; False for a miss / error / foreign layout;
+        """True for a sound object of ours; False for a miss / error / foreign layout;
         ``"corrupt"`` for an object the caller must quarantine (counted and logged here)."""
         if r == GetStatus.MISS:
             self.counters.add("misses")
@@ -290,11 +372,12 @@ class L3Store:
         if r == GetStatus.ERROR:
             self.counters.add("errors")
             return False
+        part = self.parts[t]
         try:
             if r == GetStatus.SIZE_MISMATCH:
-                raise CorruptKVObject(f"stored object is not {self.object_size} bytes "
+                raise CorruptKVObject(f"stored object is not {part.object_size} bytes "
                                       "(truncated, or of another layout)")
-            self.codec.verify(header, payload, page_hash)
+            part.codec.verify(header, payload, page_hash)
         except KVLayoutMismatch as e:
             self.counters.add("layout_mismatch")
             self._warn_once(key, f"L3 object {key}: layout mismatch, treated as a miss: {e}")

@@ -97,6 +97,13 @@ def register(bench_app: typer.Typer) -> None:
         prefetch_timeout: float = typer.Option(
             2.0, "--hicache-storage-prefetch-timeout", help="Seconds a prefetch may hold a "
             "request (timeout policy)."),
+        storage_layout: str = typer.Option(
+            "unified", "--hicache-storage-layout", help="L3 object layout: unified (named by "
+            "page x layer range x kv-head range, shared by every TP/PP shape) or legacy (one "
+            "object per rank, the rank in the key; for old stores, see convert-layout)."),
+        storage_grid: Optional[str] = typer.Option(
+            None, "--hicache-storage-grid", help="unified layout: the fleet's cut of a page, "
+            "layers=N,heads=N or tp=N,pp=N (the finest shape of the fleet); default tp=8,pp=2."),
         rank_log_dir: Optional[Path] = typer.Option(
             None, "--rank-log-dir", help="Record every cache decision and write this rank's "
             "log there on shutdown (for `hicache consensus-check`)."),
@@ -141,6 +148,7 @@ def register(bench_app: typer.Typer) -> None:
             hicache_storage_size_limit=storage_size_limit,
             hicache_storage_prefetch_policy=prefetch_policy,
             hicache_storage_prefetch_timeout=prefetch_timeout,
+            hicache_storage_layout=storage_layout, hicache_storage_grid=storage_grid,
             rank_log_dir=str(rank_log_dir) if rank_log_dir else None,
             inject_divergence=inject_divergence)
 

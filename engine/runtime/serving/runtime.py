@@ -53,6 +53,8 @@ class ServerConfig:
     hicache_storage_size_limit: str | None = None    # file: e.g. "20GiB" (LRU beyond it)
     hicache_storage_prefetch_policy: str = "timeout"  # best_effort | wait_complete | timeout
     hicache_storage_prefetch_timeout: float = 2.0    # seconds, for "timeout"
+    hicache_storage_layout: str = "unified"          # unified | legacy (per-rank keys)
+    hicache_storage_grid: str | None = None          # unified: "layers=N,heads=N" / "tp=N,pp=N"
     rank_log_dir: str | None = None    # write this rank's event log there on shutdown
     inject_divergence: str | None = None  # debug: break this rank's decisions (engine.parallel.divergence)
 
@@ -82,6 +84,12 @@ class ServerConfig:
         PrefetchPolicy.parse(self.hicache_storage_prefetch_policy)
         if self.hicache_storage_prefetch_timeout < 0:
             raise ValueError("--hicache-storage-prefetch-timeout must be >= 0")
+        from engine.storage.placement import StorageLayout, check_grid_spec
+
+        if StorageLayout.parse(self.hicache_storage_layout) is StorageLayout.LEGACY and \
+                self.hicache_storage_grid is not None:
+            raise ValueError("--hicache-storage-grid applies to the unified layout only")
+        check_grid_spec(self.hicache_storage_grid)
         if self.inject_divergence:
             from engine.parallel.divergence import parse_spec
 
@@ -153,8 +161,13 @@ class Engine:
         scfg = StorageConfig.from_options(cfg.hicache_storage_backend, cfg.hicache_storage_dir,
                                           cfg.hicache_storage_backend_config,
                                           cfg.hicache_storage_size_limit)
+        from engine.storage.placement import Placement
+
+        rank = self.cache.events.rank
+        placement = Placement(cfg.hicache_storage_layout, cfg.hicache_storage_grid,
+                              tp=(rank.tp_rank, rank.tp_size), pp=(rank.pp_rank, rank.pp_size))
         try:
-            store = L3Store.open(scfg, layout, model_tag=self.model_tag)
+            store = L3Store.open(scfg, layout, model_tag=self.model_tag, placement=placement)
         except StorageError as exc:
             if scfg.backend is BackendKind.FILE:   # a local path: a configuration error
                 raise InputError(f"L3 file store: {exc}") from None
@@ -165,7 +178,7 @@ class Engine:
         self.cache.attach_l3(StoreTier(store, self.cache.l2),
                              prefetch_policy=cfg.hicache_storage_prefetch_policy,
                              prefetch_timeout=cfg.hicache_storage_prefetch_timeout)
-        self.l3_status = f"on ({scfg.backend.value})"
+        self.l3_status = f"on ({scfg.backend.value}, {placement.label(layout)})"
 
     def start(self) -> None:
         self.scheduler.start()
