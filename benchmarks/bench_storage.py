@@ -47,8 +47,8 @@ from engine.cache.pool import HostPool  # noqa: E402
 from engine.core.hashing import namespace_seed, page_hashes  # noqa: E402
 from engine.core.layout import KVLayout  # noqa: E402
 from engine.storage import L3Store, StorageConfig, make_backend  # noqa: E402
-from engine.storage.placement import Placement  # noqa: E402
 from engine.storage.config import FileStoreConfig  # noqa: E402
+from engine.storage.placement import Placement  # noqa: E402
 
 SIZES = {
     "page 256KiB": KVLayout(num_layers=4, kv_heads=2, head_dim=64, page_size=64),
