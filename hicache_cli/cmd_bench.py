@@ -6,7 +6,8 @@ import typer
 
 bench_app = typer.Typer(
     help="Benchmark the cache: the all-in-one main job (no sub-command), the benchmark server "
-         "(serve), the load generator (run) and offline trace replay (replay).",
+         "(serve), the load generator (run), offline trace replay (replay) and the server's "
+         "tokenizer as a Hugging Face directory (export-tokenizer).",
     invoke_without_command=True,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
@@ -24,6 +25,9 @@ main_job.register(bench_app)
 from hicache_cli.bench import serve_cmd  # noqa: E402
 
 serve_cmd.register(bench_app)
+from hicache_cli.bench import tokenizer_cmd  # noqa: E402
+
+tokenizer_cmd.register(bench_app)
 
 
 def register(app: typer.Typer) -> None:

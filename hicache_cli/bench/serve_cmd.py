@@ -115,6 +115,13 @@ def register(bench_app: typer.Typer) -> None:
                                               "inspect`) when the server stops: a file, or a "
                                               "directory (an existing one, or a path ending "
                                               "in /) that gets tree-rank0.snapshot."),
+        tokenizer_dir: Optional[Path] = typer.Option(
+            None, "--tokenizer-dir", help="Write the model's Hugging Face tokenizer directory "
+            "there (reported as tokenizer_path by /model_info); default: a temporary directory "
+            "removed at exit (a checkpoint with a tokenizer.json: the checkpoint itself)."),
+        served_model_name: Optional[str] = typer.Option(
+            None, "--served-model-name", help="Model id in /v1/models and responses (default: "
+            "the model's name)."),
         log_level: LogLevel = typer.Option(LogLevel.warning, "--log-level",
                                            help="Server log verbosity (stderr)."),
         fmt: OutputFormat = typer.Option(OutputFormat.human, "--format",
@@ -150,7 +157,9 @@ def register(bench_app: typer.Typer) -> None:
             hicache_storage_prefetch_timeout=prefetch_timeout,
             hicache_storage_layout=storage_layout, hicache_storage_grid=storage_grid,
             rank_log_dir=str(rank_log_dir) if rank_log_dir else None,
-            inject_divergence=inject_divergence)
+            inject_divergence=inject_divergence,
+            tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None,
+            served_model_name=served_model_name)
 
         def ready(url: str, engine: Engine) -> None:
             d = engine.describe()

@@ -45,7 +45,7 @@ class _Req:
     __slots__ = ("rid", "ids", "sampling", "namespace", "priority", "cb", "t_arrival",
                  "t_admit", "t_first", "phase", "receipt", "load", "pages", "n_prefix_pages",
                  "kv_len", "out", "cached_device", "cached_host", "cached_storage", "gen",
-                 "aborted", "hashes")
+                 "aborted", "hashes", "lp_pending")
 
     def __init__(self, rid: str, ids: np.ndarray, sampling: SamplingParams,
                  namespace: str | None, priority: int, cb: Callback | None):
@@ -65,6 +65,7 @@ class _Req:
         self.gen: torch.Generator | None = None
         self.aborted = False
         self.hashes: list = []                      # L3 page hashes of the matched prefix
+        self.lp_pending: tuple | None = None        # logprob of the token about to be emitted
 
     @property
     def prompt_len(self) -> int:
@@ -142,6 +143,11 @@ class Scheduler:
 
     def abort(self, rid: str) -> None:
         self._inbox.put(("abort", rid))
+
+    def finish_early(self, rid: str) -> None:
+        """End a request as if it had hit a stop token (the server matched a stop string):
+        unlike :meth:`abort`, its sequence goes into the tree."""
+        self._inbox.put(("stop", rid))
 
     def call(self, fn: Callable[[], Any]) -> "concurrent.futures.Future[Any]":
         """Run ``fn`` on the scheduler thread between steps (cache access from other threads)."""
@@ -276,6 +282,13 @@ class Scheduler:
                     r.aborted = True
                     if r in self._waiting or r in self._running:
                         self._finish(r, FinishReason.ABORT)
+            elif kind == "stop":
+                with self._lock:
+                    r = self._by_rid.get(item)
+                if r is not None and r in self._running:
+                    self._finish(r, FinishReason.STOP)
+                elif r is not None and r in self._waiting:
+                    self._finish(r, FinishReason.ABORT)
             elif kind == "call":
                 fn, fut = item
                 if fut.set_running_or_notify_cancel():
@@ -410,13 +423,45 @@ class Scheduler:
             else:
                 self._finish(r, reason, last_token=tok)
 
+    def _adjust(self, logits: torch.Tensor, r: _Req) -> torch.Tensor:
+        """The logits sampling sees: banned specials, penalties, EOS held back before
+        ``min_new_tokens``. Returns ``logits`` itself when nothing applies."""
+        sp = r.sampling
+        hold = len(r.out) < sp.min_new_tokens
+        if not (self._banned.numel() or sp.penalized or hold):
+            return logits
+        x = logits.float().clone()
+        if sp.penalized and (r.out or sp.repetition_penalty != 1.0):
+            out = torch.as_tensor(r.out, dtype=torch.long, device=x.device)
+            if sp.repetition_penalty != 1.0:
+                seen = torch.unique(torch.cat([torch.as_tensor(r.ids, device=x.device), out]))
+                v = x[seen]
+                x[seen] = torch.where(v > 0, v / sp.repetition_penalty,
+                                      v * sp.repetition_penalty)
+            if len(r.out) and (sp.frequency_penalty or sp.presence_penalty):
+                counts = torch.bincount(out, minlength=x.numel()).to(x.dtype)
+                x -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(x.dtype)
+        if hold:
+            stops = [t for t in (*sp.stop_token_ids, *self.eos_ids) if 0 <= t < x.numel()]
+            if stops:
+                x[torch.as_tensor(stops, dtype=torch.long)] = -math.inf
+        if self._banned.numel():
+            x[self._banned] = -math.inf
+        return x
+
     def _sample(self, logits: torch.Tensor, r: _Req) -> int:
         sp = r.sampling
-        if self._banned.numel():
-            logits = logits.clone()
-            logits[self._banned] = -math.inf
+        logits = self._adjust(logits, r)
         if sp.greedy:
-            return int(torch.argmax(logits))
+            tok = int(torch.argmax(logits))
+        else:
+            tok = self._draw(logits, r)
+        if sp.logprobs:
+            r.lp_pending = token_logprobs(logits, tok, sp.top_logprobs)
+        return tok
+
+    def _draw(self, logits: torch.Tensor, r: _Req) -> int:
+        sp = r.sampling
         if r.gen is None:
             seed = sp.seed if sp.seed is not None else zlib.crc32(r.rid.encode())
             r.gen = torch.Generator().manual_seed(seed)
@@ -502,6 +547,9 @@ class Scheduler:
         }
 
     def _emit(self, r: _Req, out: RequestOutput) -> None:
+        if r.lp_pending is not None and out.new_token_ids:
+            out.logprobs = [r.lp_pending]
+            r.lp_pending = None
         if r.cb is None:
             return
         try:
@@ -517,6 +565,18 @@ class Scheduler:
                 self._finish(r, FinishReason.ERROR, error=msg)
             except Exception:  # noqa: BLE001
                 log.exception("could not release %s", r.rid)
+
+
+def token_logprobs(logits: torch.Tensor, tok: int, top: int
+                   ) -> tuple[float, list[tuple[int, float]]]:
+    """``(logprob of tok, [(id, logprob)] of the top ``top`` tokens)`` under ``logits``
+    (after penalties, before temperature, top-k and top-p)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    alts: list[tuple[int, float]] = []
+    if top > 0:
+        v, i = torch.topk(lp, min(top, lp.numel()))
+        alts = [(int(a), float(b)) for a, b in zip(i.tolist(), v.tolist())]
+    return float(lp[tok]), alts
 
 
 def _round(v: float) -> float | None:

@@ -22,6 +22,13 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    min_new_tokens: int = 0           # EOS and stop tokens are masked until this many
+    presence_penalty: float = 0.0     # OpenAI: minus this once a token appeared in the output
+    frequency_penalty: float = 0.0    # OpenAI: minus this per earlier occurrence in the output
+    repetition_penalty: float = 1.0   # CTRL-style, over prompt and output (SGLang's option)
+    logprobs: bool = False            # report the sampled token's log-probability
+    top_logprobs: int = 0             # ... and the top-k alternatives
+    input_logprobs_from: int | None = None   # report prompt logprobs from this position on
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -32,6 +39,18 @@ class SamplingParams:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and not _SEED_RANGE[0] <= self.seed < _SEED_RANGE[1]:
             raise InputError(f"seed must be in [-2**63, 2**64), got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise InputError(f"{name} must be finite")
+        if self.repetition_penalty <= 0:
+            raise InputError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.top_logprobs < 0:
+            raise InputError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:
@@ -69,6 +88,11 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     meta: dict[str, Any] | None = None   # on finish: prompt/completion/cached tokens, timings
     error: str | None = None
+    # per new token, when sampling.logprobs: (logprob, [(id, logprob)] top alternatives)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # on the first output, when sampling.input_logprobs_from is set: per prompt position
+    # from there on, (token id, logprob or None, top alternatives)
+    input_logprobs: list[tuple[int, float | None, list[tuple[int, float]]]] | None = None
 
 
 Callback = Callable[[RequestOutput], None]

@@ -10,41 +10,32 @@ pages and locks are released.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
 from aiohttp import web
 
 from engine.core.errors import HiCacheError, InputError, OutOfCapacity
-from engine.runtime.scheduler import RequestOutput
+from engine.runtime.serving import info, shapes
 from engine.runtime.serving import metrics as prom
+from engine.runtime.serving.batch import Batch, ClientGone, Sub
+from engine.runtime.serving.common import ENGINE_KEY, error_response, on_scheduler
 from engine.runtime.serving.protocol import (
     MAX_BODY_BYTES,
-    ParsedRequest,
     openai_finish_reason,
+    parse_chat,
     parse_completions,
     parse_generate,
-    sglang_finish_reason,
 )
 from engine.runtime.serving.runtime import Engine
 
 log = logging.getLogger("hicache.server")
 
-ENGINE_KEY: web.AppKey[Engine] = web.AppKey("engine", Engine)
-_POLL_S = 0.25          # how often a waiting handler checks that its client is still there
-
-
-class ClientGone(Exception):
-    """The client closed the connection; the request is aborted."""
-
-
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}},
-                             status=status)
+_error = error_response
+_on_scheduler = on_scheduler
 
 
 @web.middleware
@@ -79,121 +70,6 @@ async def _json_body(request: web.Request) -> Any:
                          f"{exc.colno}") from None
 
 
-def _gone(request: web.Request) -> bool:
-    t = request.transport
-    return t is None or t.is_closing()
-
-
-# -- one submitted request ---------------------------------------------------------------
-@dataclasses.dataclass
-class _Sub:
-    rid: str
-    prompt_len: int
-    stream: Any                        # tokenizer StreamDecoder or None
-    ids: list[int] = dataclasses.field(default_factory=list)
-    text: str = ""
-    delta: str = ""
-    meta: dict | None = None
-    reason: str | None = None
-    error: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.reason is not None
-
-    def apply(self, out: RequestOutput) -> None:
-        self.ids.extend(out.new_token_ids)
-        d = []
-        if self.stream is not None:
-            d = [self.stream.push(t) for t in out.new_token_ids]
-            if out.finished:
-                d.append(self.stream.flush())
-        self.delta = "".join(d)
-        self.text += self.delta
-        if out.meta is not None:
-            self.meta = out.meta
-        if out.finished:
-            self.reason = out.finish_reason.value if out.finish_reason else "error"
-            self.error = out.error
-
-
-class _Batch:
-    """The sub-requests of one HTTP request and the queue their outputs arrive on."""
-
-    def __init__(self, engine: Engine, parsed: ParsedRequest):
-        self.engine = engine
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
-        tok = engine.tokenizer
-        sched = engine.scheduler
-        for ids in parsed.prompts:            # validate all before submitting any
-            sched.validate(ids, parsed.sampling)
-        self.subs: list[_Sub] = []
-        try:
-            for i, ids in enumerate(parsed.prompts):
-                rid = parsed.rid if parsed.rid and len(parsed.prompts) == 1 else \
-                    uuid.uuid4().hex
-                sched.submit(ids, parsed.sampling, self._callback(i), rid=rid,
-                             namespace=parsed.namespace, priority=parsed.priority)
-                self.subs.append(_Sub(rid, len(ids), tok.stream() if tok else None))
-        except BaseException:
-            self.abort()
-            raise
-
-    def _callback(self, index: int):
-        def cb(out: RequestOutput) -> None:
-            try:
-                self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, out))
-            except RuntimeError:      # the event loop is closed: the server is shutting down
-                pass
-        return cb
-
-    def abort(self) -> None:
-        for s in self.subs:
-            if not s.finished:
-                self.engine.scheduler.abort(s.rid)
-
-    async def updates(self, request: web.Request) -> AsyncIterator[_Sub]:
-        """Yield the sub-request each output updated, until all finished."""
-        while not all(s.finished for s in self.subs):
-            try:
-                i, out = await asyncio.wait_for(self.queue.get(), _POLL_S)
-            except asyncio.TimeoutError:
-                i, out = -1, None
-            if _gone(request):
-                raise ClientGone()
-            if out is None:
-                continue
-            sub = self.subs[i]
-            sub.apply(out)
-            yield sub
-
-    async def finish(self, request: web.Request) -> web.Response | None:
-        """Run to completion (non-streaming); the error response if a request failed."""
-        async for _ in self.updates(request):
-            pass
-        return self.failure()
-
-    def failure(self) -> web.Response | None:
-        for s in self.subs:
-            if s.reason == "error":
-                return _error(500, s.error or "internal error", "server_error")
-            if s.reason == "abort":
-                return _error(503, "the request was aborted (server shutting down)",
-                              "overloaded")
-        return None
-
-
-def _sglang_meta(s: _Sub, final: bool) -> dict:
-    m = dict(s.meta or {})
-    m.setdefault("prompt_tokens", s.prompt_len)
-    m["completion_tokens"] = len(s.ids)
-    m["finish_reason"] = sglang_finish_reason(s.reason, s.ids, s.error) if final else None
-    m.setdefault("cached_tokens", 0)
-    m.setdefault("cached_tokens_details", {"device": 0, "host": 0, "storage": 0})
-    return m
-
-
 async def _sse(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
@@ -206,12 +82,12 @@ async def _send(resp: web.StreamResponse, obj: Any) -> None:
     await resp.write(f"data: {data}\n\n".encode())
 
 
-async def _respond(request: web.Request, batch: "_Batch", stream: bool,
-                   whole: Callable[[], dict], chunk: Callable[["_Sub"], dict | None],
+async def _respond(request: web.Request, batch: Batch, stream: bool,
+                   whole: Callable[[], Any], chunk: Callable[[Sub], Any],
                    tail: Callable[[], dict | None] | None = None) -> web.StreamResponse:
-    """The skeleton both endpoints share: one JSON body (``whole``), or SSE events (``chunk`` per
-    update, ``tail`` after the last) ending in ``[DONE]``. A client that goes away aborts the
-    batch; so does any other way out."""
+    """The skeleton every endpoint shares: one JSON body (``whole``), or SSE events (``chunk``
+    per update: a payload, a list of them or None; ``tail`` after the last) ending in
+    ``[DONE]``. A client that goes away aborts the batch; so does any other way out."""
     resp: web.StreamResponse | None = None
     try:
         if not stream:
@@ -223,8 +99,9 @@ async def _respond(request: web.Request, batch: "_Batch", stream: bool,
                 await _send(resp, {"error": {"message": s.error or s.reason, "code": 500}})
                 break
             payload = chunk(s)
-            if payload is not None:
-                await _send(resp, payload)
+            for p in payload if isinstance(payload, list) else [payload]:
+                if p is not None:
+                    await _send(resp, p)
         else:
             last = tail() if tail is not None else None
             if last is not None:
@@ -243,57 +120,128 @@ async def _respond(request: web.Request, batch: "_Batch", stream: bool,
 async def generate(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     parsed = parse_generate(await _json_body(request), engine.tokenizer)
-    batch = _Batch(engine, parsed)
+    batch = Batch(engine, parsed)
 
-    def whole() -> dict:
-        s = batch.subs[0]
-        return {"text": s.text, "output_ids": s.ids, "meta_info": _sglang_meta(s, True)}
+    def whole() -> Any:
+        items = [shapes.generate_item(batch, s, True) for s in batch.subs]
+        return items if parsed.batched else items[0]
 
-    def chunk(s: _Sub) -> dict:
-        return {"text": s.text, "output_ids": s.ids, "meta_info": _sglang_meta(s, s.finished)}
+    def chunk(s: Sub) -> dict | None:
+        if not s.new_ids and not s.finished:
+            return None
+        if not s.finished and parsed.stream_interval > 1 and \
+                len(s.ids) % parsed.stream_interval:
+            return None
+        return shapes.generate_item(batch, s, s.finished)
 
     return await _respond(request, batch, parsed.stream, whole, chunk)
 
 
+def _storage_backend(engine: Engine) -> str | None:
+    return engine.cfg.hicache_storage_backend if engine.cache.l3 is not None else None
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
-    parsed = parse_completions(await _json_body(request), engine.tokenizer)
-    batch = _Batch(engine, parsed)
+    tok = engine.tokenizer
+    parsed = parse_completions(await _json_body(request), tok)
+    batch = Batch(engine, parsed)
     head = {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion",
             "created": int(time.time()), "model": parsed.model or engine.model_name}
+    prompt_text = [tok.decode(p) if tok is not None and parsed.echo else ""
+                   for p in parsed.prompts]
+    sent: set[int] = set()            # choices whose echo / logprob prefix went out
+
+    def choice(s: Sub, text: str, ids: list[int], lps: list, first: bool) -> dict:
+        c: dict[str, Any] = {"index": s.index, "text": text, "logprobs": None,
+                             "finish_reason": openai_finish_reason(s.reason),
+                             "matched_stop": s.matched_stop if s.finished else None}
+        if parsed.logprobs is not None:
+            view = Sub(s.index, s.prompt_index, s.rid, s.prompt_ids, None, (), ids,
+                       logprobs=lps, input_logprobs=s.input_logprobs)
+            c["logprobs"] = shapes.completion_logprobs(
+                tok, view, parsed.echo and first,
+                0 if first else len(prompt_text[s.prompt_index]) + len(s.text) - len(text))
+        return c
 
     def whole() -> dict:
-        return {**head, "choices": [{"index": i, "text": s.text, "logprobs": None,
-                                     "finish_reason": openai_finish_reason(s.reason)}
-                                    for i, s in enumerate(batch.subs)],
-                "usage": _usage(batch.subs)}
+        body = {**head, "choices": [
+            choice(s, prompt_text[s.prompt_index] + s.text, s.ids, s.logprobs, True)
+            for s in batch.subs], "usage": shapes.usage(batch)}
+        if parsed.cached_details:
+            body["sglext"] = shapes.sglext(batch, _storage_backend(engine))
+        return body
 
-    def chunk(s: _Sub) -> dict | None:
-        if not s.delta and not s.finished:
+    def chunk(s: Sub) -> dict | None:
+        first = s.index not in sent
+        if not s.delta and not s.finished and not (first and parsed.echo):
             return None
-        return {**head, "choices": [{"index": batch.subs.index(s), "text": s.delta,
-                                     "logprobs": None,
-                                     "finish_reason": openai_finish_reason(s.reason)}]}
+        sent.add(s.index)
+        text = (prompt_text[s.prompt_index] if first else "") + s.delta
+        body = {**head, "choices": [choice(s, text, s.new_ids, s.new_logprobs, first)]}
+        if s.finished and batch.done and parsed.cached_details:
+            body["sglext"] = shapes.sglext(batch, _storage_backend(engine))
+        return body
 
     def tail() -> dict | None:
         if not parsed.include_usage:
             return None
-        return {**head, "choices": [], "usage": _usage(batch.subs)}
+        return {**head, "choices": [], "usage": shapes.usage(batch)}
 
     return await _respond(request, batch, parsed.stream, whole, chunk, tail)
 
 
-def _usage(subs: list[_Sub]) -> dict:
-    prompt = sum(s.prompt_len for s in subs)
-    completion = sum(len(s.ids) for s in subs)
-    cached = sum((s.meta or {}).get("cached_tokens", 0) for s in subs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE_KEY]
+    tok = engine.tokenizer
+    parsed = parse_chat(await _json_body(request), tok)
+    batch = Batch(engine, parsed)
+    cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
+    model = parsed.model or engine.model_name
+    started: set[int] = set()
 
+    def lp(ids: list[int], lps: list) -> dict | None:
+        return shapes.chat_logprobs(tok, ids, lps) if parsed.logprobs is not None else None
 
-async def _on_scheduler(engine: Engine, fn: Any) -> Any:
-    return await asyncio.wrap_future(engine.scheduler.call(fn))
+    def whole() -> dict:
+        body = {"id": cid, "object": "chat.completion", "created": created, "model": model,
+                "choices": [{"index": s.index,
+                             "message": {"role": "assistant", "content": s.text,
+                                         "reasoning_content": None, "tool_calls": None},
+                             "logprobs": lp(s.ids, s.logprobs),
+                             "finish_reason": openai_finish_reason(s.reason),
+                             "matched_stop": s.matched_stop} for s in batch.subs],
+                "usage": shapes.usage(batch)}
+        if parsed.cached_details:
+            body["sglext"] = shapes.sglext(batch, _storage_backend(engine))
+        return body
+
+    def event(choice: dict) -> dict:
+        return {"id": cid, "object": "chat.completion.chunk", "created": created,
+                "model": model, "choices": [choice]}
+
+    def chunk(s: Sub) -> list[dict]:
+        out = []
+        if s.index not in started:
+            started.add(s.index)
+            out.append(event({"index": s.index, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}))
+        if s.delta or s.finished:
+            out.append(event({"index": s.index, "delta": {"content": s.delta} if s.delta
+                              else {}, "logprobs": lp(s.new_ids, s.new_logprobs),
+                              "finish_reason": openai_finish_reason(s.reason),
+                              "matched_stop": s.matched_stop if s.finished else None}))
+            if s.finished and batch.done and parsed.cached_details:
+                out[-1]["sglext"] = shapes.sglext(batch, _storage_backend(engine))
+        return out
+
+    def tail() -> dict | None:
+        if not parsed.include_usage:
+            return None
+        return {"id": cid, "object": "chat.completion.chunk", "created": created,
+                "model": model, "choices": [], "usage": shapes.usage(batch)}
+
+    return await _respond(request, batch, parsed.stream, whole, chunk, tail)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -310,27 +258,6 @@ async def metrics(request: web.Request) -> web.Response:
     text = await _on_scheduler(engine, collect)
     return web.Response(text=text, content_type="text/plain", charset="utf-8",
                         headers={"X-Prometheus-Format": "0.0.4"})
-
-
-async def health(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE_KEY]
-    if not engine.scheduler.alive:
-        return _error(503, engine.scheduler.last_error or "scheduler not running",
-                      "server_error")
-    return web.json_response({"status": "ok"})
-
-
-async def server_info(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE_KEY]
-    stats = await _on_scheduler(engine, engine.cache.stats)
-    return web.json_response({**engine.describe(), "cache": stats})
-
-
-async def models(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE_KEY]
-    return web.json_response({"object": "list", "data": [
-        {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "hicache",
-         "max_model_len": engine.model.cfg.max_context}]})
 
 
 async def flush_cache(request: web.Request) -> web.Response:
@@ -362,10 +289,9 @@ def make_app(engine: Engine) -> web.Application:
     app[ENGINE_KEY] = engine
     app.router.add_post("/generate", generate)
     app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/metrics", metrics)
-    app.router.add_get("/health", health)
-    app.router.add_get("/get_server_info", server_info)
+    info.add_routes(app)
     app.router.add_route("GET", "/flush_cache", flush_cache)
     app.router.add_route("POST", "/flush_cache", flush_cache)
     app.router.add_post("/dump_tree", dump_tree)

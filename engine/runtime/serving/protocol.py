@@ -33,6 +33,17 @@ class ParsedRequest:
     priority: int = 0
     include_usage: bool = False       # OpenAI stream_options.include_usage
     model: str | None = None
+    n: int = 1                        # choices per prompt
+    batched: bool = False             # /generate got a list of prompts: answer with a list
+    stop: tuple[str, ...] = ()        # stop strings (not in the output)
+    echo: bool = False                # OpenAI completions: the prompt text leads the output
+    cached_details: bool = False      # SGLang's return_cached_tokens_details -> sglext
+    logprobs: int | None = None       # OpenAI: top-k alternatives per token (0: none); None: off
+    return_logprob: bool = False      # SGLang /generate
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1       # SGLang: first prompt position with input logprobs
+    text_in_logprobs: bool = False    # SGLang return_text_in_logprobs
+    stream_interval: int = 1
 
 
 # -- typed field access --------------------------------------------------------------------
@@ -114,50 +125,145 @@ def _require_object(body: Any) -> dict:
     return body
 
 
+# -- shared option groups -------------------------------------------------------------------
+MAX_STOP = 16                      # stop strings per request
+MAX_STOP_LEN = 256                 # characters per stop string
+MAX_N = 16                         # choices per prompt
+MAX_TOP_LOGPROBS = 20
+
+
+def _stop_strings(obj: dict, where: str = "") -> tuple[str, ...]:
+    v = obj.get("stop")
+    if v is None or v == "" or v == []:
+        return ()
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+        raise InputError(f"field {where}stop must be a string or a list of strings")
+    items = [x for x in items if x]
+    if len(items) > MAX_STOP:
+        raise InputError(f"at most {MAX_STOP} stop strings per request")
+    if any(len(x) > MAX_STOP_LEN for x in items):
+        raise InputError(f"a stop string is longer than {MAX_STOP_LEN} characters")
+    return tuple(items)
+
+
+def _refuse(obj: dict, where: str = "") -> None:
+    """Options this server cannot honour: 400 with the reason rather than a silent ignore."""
+    for key in ("regex", "json_schema", "ebnf", "structural_tag"):
+        if obj.get(key):
+            raise InputError(f"field {where}{key!r}: constrained decoding is not supported by "
+                             "this server")
+    if obj.get("logit_bias"):
+        raise InputError("field 'logit_bias' is not supported by this server")
+    min_p = obj.get("min_p")
+    if min_p not in (None, 0, 0.0):
+        raise InputError(f"field {where}'min_p' is not supported by this server (only 0)")
+
+
+def _n(obj: dict, where: str = "") -> int:
+    n = _field(obj, "n", "int", 1, where)
+    if not 1 <= n <= MAX_N:
+        raise InputError(f"field {where}n must be in [1, {MAX_N}], got {n}")
+    return n
+
+
+def _penalty(obj: dict, key: str, where: str, lo: float, hi: float, default: float) -> float:
+    v = _field(obj, key, "number", default, where)
+    if not lo <= v <= hi:
+        raise InputError(f"field {where}{key} must be in [{lo:g}, {hi:g}], got {v:g}")
+    return v
+
+
+def _sampling(obj: dict, where: str, max_key: str | tuple[str, ...], max_default: int,
+              temperature_default: float) -> SamplingParams:
+    """Sampling options under SGLang's names (``sampling_params``) or OpenAI's (the body)."""
+    keys = (max_key,) if isinstance(max_key, str) else max_key
+    max_new = max_default
+    for k in keys:
+        if obj.get(k) is not None:
+            max_new = _field(obj, k, "int", max_default, where)
+            break
+    if max_new < 0:
+        raise InputError(f"max_new_tokens must be >= 0, got {max_new}")
+    _refuse(obj, where)
+    min_new = _field(obj, "min_new_tokens", "int", _field(obj, "min_tokens", "int", 0, where),
+                     where)
+    return SamplingParams(
+        max_new_tokens=max_new, min_new_tokens=max(0, min_new),
+        temperature=_field(obj, "temperature", "number", temperature_default, where),
+        top_p=_field(obj, "top_p", "number", 1.0, where),
+        top_k=_field(obj, "top_k", "int", -1, where),
+        seed=_field(obj, "seed", "int", _field(obj, "sampling_seed", "int", None, where), where),
+        ignore_eos=_field(obj, "ignore_eos", "bool", False, where),
+        stop_token_ids=tuple(_field(obj, "stop_token_ids", "int_list", [], where)),
+        presence_penalty=_penalty(obj, "presence_penalty", where, -2, 2, 0.0),
+        frequency_penalty=_penalty(obj, "frequency_penalty", where, -2, 2, 0.0),
+        repetition_penalty=_penalty(obj, "repetition_penalty", where, 1e-3, 100, 1.0))
+
+
 # -- POST /generate ------------------------------------------------------------------------
-def parse_generate(body: Any, tok: Tokenizer | None) -> ParsedRequest:
-    body = _require_object(body)
+def _generate_prompts(body: dict, tok: Tokenizer | None) -> tuple[list[np.ndarray], bool]:
     has_text = body.get("text") is not None
     has_ids = body.get("input_ids") is not None
     if has_text == has_ids:
         raise InputError("give exactly one of 'text' and 'input_ids'")
     if has_text:
-        if isinstance(body["text"], list):
-            raise InputError("batched 'text' lists are not supported; send one request each")
-        prompt = _encode(_field(body, "text", "str"), tok, "text")
-    else:
-        if isinstance(body["input_ids"], list) and body["input_ids"] and \
-                isinstance(body["input_ids"][0], list):
-            raise InputError("batched 'input_ids' lists are not supported; send one request "
-                             "each")
-        prompt = _ids(_field(body, "input_ids", "int_list"), "input_ids")
+        t = body["text"]
+        if isinstance(t, list):
+            if not t or not all(isinstance(x, str) for x in t):
+                raise InputError("field 'text' must be a string or a non-empty list of strings")
+            return [_encode(x, tok, "text") for x in t], True
+        return [_encode(_field(body, "text", "str"), tok, "text")], False
+    v = body["input_ids"]
+    if isinstance(v, list) and v and isinstance(v[0], list):
+        return [_ids(_field({"input_ids": x}, "input_ids", "int_list"), "input_ids")
+                for x in v], True
+    return [_ids(_field(body, "input_ids", "int_list"), "input_ids")], False
+
+
+def parse_generate(body: Any, tok: Tokenizer | None) -> ParsedRequest:
+    body = _require_object(body)
+    prompts, batched = _generate_prompts(body, tok)
+    if len(prompts) > MAX_PROMPTS:
+        raise InputError(f"at most {MAX_PROMPTS} prompts per request")
     sp = _field(body, "sampling_params", "object", {})
     w = "sampling_params."
-    sampling = _sampling(
-        max_new_tokens=_field(sp, "max_new_tokens", "int", 128, w),
-        temperature=_field(sp, "temperature", "number", 1.0, w),
-        top_p=_field(sp, "top_p", "number", 1.0, w),
-        top_k=_field(sp, "top_k", "int", -1, w),
-        seed=_field(sp, "seed", "int", _field(sp, "sampling_seed", "int", None, w), w),
-        ignore_eos=_field(sp, "ignore_eos", "bool", False, w),
-        stop_token_ids=tuple(_field(sp, "stop_token_ids", "int_list", [], w)))
+    n = _n(sp, w)
+    top = _field(body, "top_logprobs_num", "int", 0)
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise InputError(f"field 'top_logprobs_num' must be in [0, {MAX_TOP_LOGPROBS}]")
+    rid = body.get("rid")
     return ParsedRequest(
-        prompts=[prompt], sampling=sampling, stream=_field(body, "stream", "bool", False),
-        rid=_field(body, "rid", "str", None) or None, namespace=_namespace(body),
-        priority=_priority(body))
-
-
-def _sampling(**kw: Any) -> SamplingParams:
-    if kw["max_new_tokens"] < 0:
-        raise InputError(f"max_new_tokens must be >= 0, got {kw['max_new_tokens']}")
-    return SamplingParams(**kw)
+        prompts=prompts, sampling=_sampling(sp, w, "max_new_tokens", 128, 1.0),
+        stream=_field(body, "stream", "bool", False),
+        rid=rid if isinstance(rid, str) and rid else None, namespace=_namespace(body),
+        priority=_priority(body), n=n, batched=batched or n > 1, stop=_stop_strings(sp, w),
+        return_logprob=_field(body, "return_logprob", "bool", False),
+        top_logprobs_num=top,
+        logprob_start_len=_field(body, "logprob_start_len", "int", -1),
+        text_in_logprobs=_field(body, "return_text_in_logprobs", "bool", False),
+        stream_interval=max(1, _field(sp, "stream_interval", "int", 1, w)),
+        cached_details=True)
 
 
 # -- POST /v1/completions ------------------------------------------------------------------
-# OpenAI fields we accept only at their "off" value.
-_UNSUPPORTED = {"echo": (False,), "logprobs": (None, 0), "best_of": (None, 1),
-                "suffix": (None, ""), "logit_bias": (None, {}),
-                "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0)}
+def _openai_common(body: dict) -> dict[str, Any]:
+    if body.get("suffix"):
+        raise InputError("field 'suffix' is not supported by this server")
+    n = _n(body)
+    best_of = _field(body, "best_of", "int", n)
+    if best_of != n:
+        raise InputError("field 'best_of' must equal n (no server-side ranking)")
+    temperature = _field(body, "temperature", "number", 1.0)
+    if temperature > 2:
+        raise InputError(f"temperature must be in [0, 2], got {temperature}")
+    so = _field(body, "stream_options", "object", {})
+    return dict(
+        stream=_field(body, "stream", "bool", False), namespace=_namespace(body),
+        include_usage=_field(so, "include_usage", "bool", False, "stream_options."),
+        model=_field(body, "model", "str", None), priority=_priority(body), n=n,
+        stop=_stop_strings(body),
+        cached_details=_field(body, "return_cached_tokens_details", "bool", False))
 
 
 def parse_completions(body: Any, tok: Tokenizer | None) -> ParsedRequest:
@@ -180,43 +286,58 @@ def parse_completions(body: Any, tok: Tokenizer | None) -> ParsedRequest:
                          "either")
     if len(prompts) > MAX_PROMPTS:
         raise InputError(f"at most {MAX_PROMPTS} prompts per request")
-    for key, ok in _UNSUPPORTED.items():
-        if key in body and body[key] not in ok:
-            raise InputError(f"field {key!r} is not supported by this server")
-    n = _field(body, "n", "int", 1)
-    if n != 1:
-        raise InputError("only n = 1 is supported")
-    stop = body.get("stop")
-    if stop not in (None, [], ""):
-        raise InputError("stop strings are not supported; use 'stop_token_ids'")
-    so = _field(body, "stream_options", "object", {})
-    temperature = _field(body, "temperature", "number", 1.0)
-    if temperature > 2:
-        raise InputError(f"temperature must be in [0, 2], got {temperature}")
-    sampling = _sampling(
-        max_new_tokens=_field(body, "max_tokens", "int", 16),
-        temperature=temperature,
-        top_p=_field(body, "top_p", "number", 1.0),
-        top_k=_field(body, "top_k", "int", -1),
-        seed=_field(body, "seed", "int", None),
-        ignore_eos=_field(body, "ignore_eos", "bool", False),
-        stop_token_ids=tuple(_field(body, "stop_token_ids", "int_list", [])))
+    common = _openai_common(body)
+    if len(prompts) * common["n"] > MAX_PROMPTS:
+        raise InputError(f"at most {MAX_PROMPTS} choices (prompts x n) per request")
+    lp = _field(body, "logprobs", "int", None)
+    if lp is not None and not 0 <= lp <= MAX_TOP_LOGPROBS:
+        raise InputError(f"field 'logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {lp}")
+    return ParsedRequest(prompts=prompts, sampling=_sampling(body, "", "max_tokens", 16, 1.0),
+                         echo=_field(body, "echo", "bool", False), logprobs=lp, **common)
+
+
+# -- POST /v1/chat/completions -------------------------------------------------------------
+def parse_chat(body: Any, tok: Tokenizer | None) -> ParsedRequest:
+    """The chat prompt is the tokenizer's chat template over ``messages``
+    (:mod:`engine.runtime.chat_template`)."""
+    from engine.runtime.chat_template import normalize_messages, render
+
+    body = _require_object(body)
+    if tok is None:
+        raise InputError("this model has no tokenizer; chat needs one")
+    if body.get("tools") and body.get("tool_choice") != "none":
+        raise InputError("field 'tools': tool calling is not supported by this server")
+    rf = body.get("response_format")
+    if rf is not None and (not isinstance(rf, dict) or rf.get("type") != "text"):
+        raise InputError("field 'response_format': only {\"type\": \"text\"} is supported")
+    messages = normalize_messages(body.get("messages"))
+    kwargs = _field(body, "chat_template_kwargs", "object", {})
+    text = render(tok.chat_template, tok.special_tokens, messages,
+                  add_generation_prompt=_field(body, "add_generation_prompt", "bool", True),
+                  extra=kwargs)
+    ids = np.asarray(tok.encode(text, add_bos=False), dtype=np.int64)
+    if ids.size == 0:
+        raise InputError("the chat template rendered an empty prompt")
+    want_lp = _field(body, "logprobs", "bool", False)
+    top = _field(body, "top_logprobs", "int", 0)
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise InputError(f"field 'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
     return ParsedRequest(
-        prompts=prompts, sampling=sampling, stream=_field(body, "stream", "bool", False),
-        namespace=_namespace(body), include_usage=_field(so, "include_usage", "bool", False,
-                                                         "stream_options."),
-        model=_field(body, "model", "str", None), priority=_priority(body))
+        prompts=[ids],
+        sampling=_sampling(body, "", ("max_completion_tokens", "max_tokens"), 128, 1.0),
+        logprobs=top if want_lp else None, **_openai_common(body))
 
 
 # -- responses -----------------------------------------------------------------------------
-def sglang_finish_reason(reason: str | None, out_ids: list[int], error: str | None
-                         ) -> dict | None:
+def sglang_finish_reason(reason: str | None, out_ids: list[int], error: str | None,
+                         matched: int | str | None = None) -> dict | None:
     if reason is None:
         return None
     if reason == "length":
         return {"type": "length", "length": len(out_ids)}
     if reason == "stop":
-        return {"type": "stop", "matched": out_ids[-1] if out_ids else None}
+        return {"type": "stop", "matched": matched if matched is not None else
+                (out_ids[-1] if out_ids else None)}
     return {"type": reason, "message": error or reason}
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
+import tempfile
 from typing import Any
 
 from engine.cache.events import EventLog
@@ -57,6 +59,9 @@ class ServerConfig:
     hicache_storage_grid: str | None = None          # unified: "layers=N,heads=N" / "tp=N,pp=N"
     rank_log_dir: str | None = None    # write this rank's event log there on shutdown
     inject_divergence: str | None = None  # debug: break this rank's decisions (engine.parallel.divergence)
+    tokenizer_dir: str | None = None   # where to export the preset's HF tokenizer (default: temp)
+    served_model_name: str | None = None  # the model id clients see (default: the model's name)
+    weight_version: str = "default"    # reported as SGLang reports it
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -137,7 +142,24 @@ class Engine:
             max_running_requests=cfg.max_running_requests,
             chunked_prefill_size=cfg.chunked_prefill_size,
             disable_radix_cache=cfg.disable_radix_cache))
-        self.model_name = mc.name
+        self.model_name = cfg.served_model_name or mc.name
+        self.weight_version = cfg.weight_version
+        self.tokenizer_path, self._tmp_tokenizer = self._tokenizer_dir(cfg, model_dir)
+
+    def _tokenizer_dir(self, cfg: ServerConfig, model_dir: str | None) -> tuple[str | None, bool]:
+        """A Hugging Face tokenizer directory clients can load: the checkpoint's own, else the
+        tokenizer exported to ``cfg.tokenizer_dir`` (or a temporary one, removed at stop)."""
+        if self.tokenizer is None:
+            return None, False
+        if model_dir is not None and os.path.exists(os.path.join(model_dir, "tokenizer.json")) \
+                and cfg.tokenizer_dir is None:
+            return os.path.abspath(model_dir), False
+        from engine.runtime.tokenizer_export import export_tokenizer
+
+        tmp = cfg.tokenizer_dir is None
+        d = tempfile.mkdtemp(prefix="hicache-tokenizer-") if tmp else cfg.tokenizer_dir
+        export_tokenizer(self.tokenizer, d, self.model_name, self.model.cfg.max_context)
+        return os.path.abspath(d), tmp
 
     @staticmethod
     def _event_log(cfg: ServerConfig) -> EventLog:
@@ -193,6 +215,8 @@ class Engine:
             self.cache.events.write(path)
             log.info("rank log written to %s", path)
         self.cache.close()
+        if self._tmp_tokenizer and self.tokenizer_path:
+            shutil.rmtree(self.tokenizer_path, ignore_errors=True)
 
     def describe(self) -> dict[str, Any]:
         mc = self.model.cfg
@@ -205,7 +229,9 @@ class Engine:
                 "max_context": mc.max_context, "vocab_size": mc.vocab_size,
                 "l3": self.l3_status,
                 "l3_prefetch_policy": self.cfg.hicache_storage_prefetch_policy
-                if self.cache.l3 is not None else None}
+                if self.cache.l3 is not None else None,
+                "model_path": self.cfg.model, "tokenizer_path": self.tokenizer_path,
+                "served_model_name": self.model_name}
 
 
 def model_tag(spec: str, mc: Any) -> str:
