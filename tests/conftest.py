@@ -12,6 +12,8 @@ import os
 # Before torch loads: spin-waiting OpenMP threads slow to a crawl when the test's server and
 # client share the 2 cores of a CI machine.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Every event the engine records is checked against its kind's fields (formats.ranklog_events).
+os.environ.setdefault("HICACHE_STRICT_EVENTS", "1")
 
 import pytest  # noqa: E402
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from checkers.consensus import check_consensus
-from engine.cache.events import EventLog, RankInfo
+from engine.cache.events import EV, EventLog, RankInfo
 from engine.parallel.divergence import Injection, install, parse_spec, record, synthetic_decisions
 
 WORLD = 2
@@ -134,7 +134,7 @@ def test_install_only_on_the_named_rank():
     for log in (log0, log1):
         for step in range(4):
             log.set_step(step)
-            log.emit("lock", rid="a", node=step)
+            log.emit(EV.LOCK, rid="a", node=step)
     assert [e["kind"] for e in log0.events] == ["lock"] * 4
     assert [e["kind"] for e in log1.events] == ["lock", "lock", "unlock", "lock"]
     assert inj.applied[0][1:] == (2, 2)

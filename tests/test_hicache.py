@@ -20,9 +20,14 @@ def evicted(cache, tier="l1"):
     return out
 
 
-def node_of(cache, tokens):
+def nodes_on(cache, tokens):
+    """The tree nodes holding ``tokens`` (white-box: results never expose nodes)."""
     path, _ = cache.tree.walk(np.asarray(tokens, dtype=np.uint32), None, split=False)
-    return path[-1].id
+    return path
+
+
+def node_of(cache, tokens):
+    return nodes_on(cache, tokens)[-1].id
 
 
 def test_l1_hit_lengths_are_page_aligned():
@@ -182,7 +187,7 @@ def test_backup_commits_only_at_poll():
     r = c.lock(m)
     c.insert(seq(0, 4), c.alloc(2))
     c.unlock(r)
-    node = c.match(seq(0, 4)).path[-1]
+    node = nodes_on(c, seq(0, 4))[-1]
     node.backing_up[0].wait()
     assert node.l2 is None                    # done but not consumed: not visible yet
     assert c.poll()["backup"] == 1
@@ -233,4 +238,50 @@ def test_poll_consumes_exactly_the_agreed_number_of_acks():
     assert done == [0]
     c.poll()
     assert [e["op"] for e in c.events.events if e["kind"] == "backup_done"] == [0, 1]
+    assert_healthy(c, idle=True)
+
+
+def test_admit_reuses_the_prefix_and_reserves_the_rest():
+    c = make_cache(page_size=2, l1_pages=8, l2_pages=8)
+    serve(c, seq(0, 6))
+    a = c.admit(seq(0, 6) + [99], rid="a", extra_pages=2)
+    assert (a.device_len, a.host_len, a.storage_len, a.prefix_len) == (6, 0, 0, 6)
+    assert len(a.pages) == 4 + 2 and a.n_prefix_pages == 3
+    assert a.receipt.node_id == node_of(c, seq(0, 6)) and a.load is None
+    assert not hasattr(a.receipt, "node") and not hasattr(c.match(seq(0, 2)), "path")
+    c.free(a.pages[a.n_prefix_pages:])
+    c.unlock(a.receipt)
+    assert_healthy(c, idle=True)
+
+
+def test_admit_loads_back_the_l2_part():
+    c = make_cache(page_size=2, l1_pages=4, l2_pages=8)
+    serve(c, seq(0, 4))
+    c.wait_all()
+    serve(c, seq(10, 8))                          # pushes the first prefix out of L1 (to L2)
+    a = c.admit(seq(0, 4), rid="b")
+    assert (a.device_len, a.host_len) == (0, 4) and a.n_prefix_pages == 2
+    assert a.load is not None
+    a.load.wait()
+    c.unlock(a.receipt)
+    c.poll()
+    assert_healthy(c, idle=True)
+
+
+def test_admit_without_room_holds_nothing():
+    c = make_cache(page_size=2, l1_pages=4, l2_pages=4)
+    serve(c, seq(0, 4))
+    m = c.match(seq(0, 4))
+    r = c.lock(m)                                 # another request pins 2 of the 4 pages
+    free_before = c.l1_alloc.free_pages
+    kinds = len(c.events.events)
+    assert c.admit(seq(0, 4), rid="big", extra_pages=3) is None
+    assert c.l1_alloc.free_pages == free_before
+    new = [e["kind"] for e in c.events.events[kinds:]]
+    assert new[:2] == ["match", "lock"] and new[-1] == "unlock" and "restore" not in new
+    assert c.admit(seq(0, 4), rid="no-cache", extra_pages=3, reuse=False) is None
+    c.unlock(r)
+    a = c.admit(seq(50, 2), rid="plain", extra_pages=1, reuse=False)
+    assert a.receipt is None and a.n_prefix_pages == 0 and len(a.pages) == 2
+    c.free(a.pages)
     assert_healthy(c, idle=True)

@@ -8,7 +8,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from engine.cache.events import EventLog, RankInfo
+from engine.cache.events import EV, EventLog, RankInfo
 from formats import ranklog as rl
 from formats import ranklog_compare as rc
 from formats.errors import FormatError
@@ -64,9 +64,9 @@ def test_msgpack_is_a_stream_of_maps_and_jsonl_one_map_per_line(tmp_path):
 def test_event_log_write_numpy_values(tmp_path):
     log = EventLog(RankInfo(rank=3, world_size=4, dp_rank=1, tp_rank=1, tp_size=2))
     log.set_step(7)
-    log.emit("match", rid="r", l1_len=np.int64(32), l2_len=0, l3_len=0,
+    log.emit(EV.MATCH, rid="r", l1_len=np.int64(32), l2_len=0, l3_len=0,
              local_pages=np.arange(2, dtype=np.int64))
-    log.emit("lock", rid="r", node=5)
+    log.emit(EV.LOCK, rid="r", node=5)
     log.write(str(tmp_path / "rank3.ranklog"))
     header, events = read_ranklog(tmp_path / "rank3.ranklog")
     assert (header["rank"], header["dp_rank"], header["tp_size"]) == (3, 1, 2)

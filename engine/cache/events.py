@@ -2,16 +2,26 @@
 
 Each decision the cache makes (match lengths, restores and backups issued and completed, locks,
 evictions, PP ACK consumption) is an explicit step that emits one event. The consensus checker,
-``inspect`` and the tests all read this same stream (SPEC §2.6). Field names starting with
-``local_`` are rank-local (physical slots, timings) and are not compared across ranks.
+``inspect`` and the tests all read this same stream (docs/rank-log-format.md). Field names
+starting with ``local_`` are rank-local (physical slots, timings) and are not compared across
+ranks.
 
-Events are plain dicts ``{"seq", "step", "kind", ...}``; ``seq`` counts 0, 1, 2, … with no gaps.
+Every kind and its fields are defined once, in :mod:`formats.ranklog_events` (re-exported here as
+``EV``: ``events.emit(EV.MATCH, rid=..., l1_len=..., ...)``). Recorded events are plain dicts
+``{"seq", "step", "kind", ...}``; ``seq`` counts 0, 1, 2, … with no gaps.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable, Iterable
+
+import formats.ranklog_events as EV  # noqa: N812 (the kinds' namespace: EV.MATCH, ...)
+from formats.ranklog import FORMAT_NAME, VERSION
+from formats.ranklog_events import EventKind
+
+__all__ = ["EV", "EventKind", "EventLog", "RankInfo"]
 
 Listener = Callable[[dict], None]
 
@@ -31,7 +41,7 @@ class RankInfo:
     cp_size: int = 1
 
     def header(self) -> dict[str, Any]:
-        return {"format": "hicache-ranklog", "version": 1, **dataclasses.asdict(self)}
+        return {"format": FORMAT_NAME, "version": VERSION, **dataclasses.asdict(self)}
 
 
 class EventLog:
@@ -41,14 +51,22 @@ class EventLog:
     on; it is cheap enough to leave on). Listeners see each event right after it is recorded
     (the online consensus mode hashes them); a listener that raises propagates — background
     problems are never swallowed.
+
+    ``strict=True`` checks every emit against its kind's fields (:meth:`EventKind.problem`) and
+    raises ``ValueError`` for a missing or unknown field. The default is on when the environment
+    sets ``HICACHE_STRICT_EVENTS=1`` (the test suite does, for every process it starts).
     """
 
-    __slots__ = ("rank", "enabled", "keep", "step", "_seq", "_events", "_listeners", "mutator")
+    __slots__ = ("rank", "enabled", "keep", "strict", "step", "_seq", "_events", "_listeners",
+                 "mutator")
 
-    def __init__(self, rank: RankInfo | None = None, *, enabled: bool = True, keep: bool = True):
+    def __init__(self, rank: RankInfo | None = None, *, enabled: bool = True, keep: bool = True,
+                 strict: bool | None = None):
         self.rank = rank or RankInfo()
         self.enabled = enabled
         self.keep = keep
+        self.strict = (os.environ.get("HICACHE_STRICT_EVENTS") == "1" if strict is None
+                       else strict)
         self.step = 0
         self._seq = 0
         self._events: list[dict] = []
@@ -57,10 +75,14 @@ class EventLog:
         self.mutator: Callable[[dict], dict] | None = None
 
     # -- recording -------------------------------------------------------------------------
-    def emit(self, kind: str, **fields: Any) -> None:
+    def emit(self, kind: EventKind, **fields: Any) -> None:
         if not self.enabled:
             return
-        ev = {"seq": self._seq, "step": self.step, "kind": kind, **fields}
+        if self.strict:
+            problem = kind.problem(fields)
+            if problem is not None:
+                raise ValueError(problem)
+        ev = {"seq": self._seq, "step": self.step, "kind": kind.name, **fields}
         if self.mutator is not None:
             ev = self.mutator(ev)
         self._seq += 1

@@ -1,11 +1,13 @@
 """The HiCache facade: one object the scheduler, the replay and the CLI talk to.
 
-``match`` → ``lock`` → ``load_back`` → ``alloc`` → (compute) → ``insert`` → ``unlock``, with
-``poll`` once per scheduler step to commit finished transfers. Callers never walk nodes; they
-get :class:`MatchResult` and :class:`LockReceipt` values back. Every decision is an explicit
-step that emits one event on :class:`~engine.cache.events.EventLog` (SPEC §2.2, §2.6).
+``admit`` (= ``match`` → ``lock`` → ``alloc`` → ``load_back``, all or nothing) → (compute) →
+``insert`` → ``unlock``, with ``poll`` once per scheduler step to commit finished transfers.
+Callers never see tree nodes; they get :class:`Admission`, :class:`MatchResult` and
+:class:`LockReceipt` values back (node ids only). Every decision is an explicit step that emits
+one event on :class:`~engine.cache.events.EventLog` (kinds: :mod:`formats.ranklog_events`).
 
-Tiers: L1 device pool, L2 host pool, L3 external store (wired by :mod:`engine.cache.l3`). L1
+Tiers: L1 device pool, L2 host pool (each a :class:`~engine.cache.tiers.Tier` record for
+eviction), L3 external store (an :class:`~engine.cache.l3.L3Tier` the facade holds). L1
 residency is prefix-closed; a node evicted from L1 that is backed up in L2 stays in the tree
 and is loaded back on a hit; L2 eviction removes leaves that are not on L1.
 """
@@ -14,23 +16,33 @@ from __future__ import annotations
 
 import collections
 import heapq
+import itertools
 from typing import Any, Sequence
 
 import numpy as np
 
 from engine.cache.allocator import PageAllocator
-from engine.cache.events import EventLog
-from engine.cache.l3 import StorageOps
+from engine.cache.events import EV, EventLog
+from engine.cache.l3 import L3Tier
 from engine.cache.policy import EvictionPolicy, make_policy
 from engine.cache.pool import DevicePool, HostPool
 from engine.cache.radix_tree import Node, RadixTree
+from engine.cache.tiers import Tier
 from engine.cache.transfer import OpKind, TransferEngine, TransferOp
-from engine.cache.types import CacheConfig, LoadHandle, LockReceipt, MatchResult, WritePolicy, as_tokens  # noqa: F401 (re-exported)
+from engine.cache.types import (  # noqa: F401 (CacheConfig, as_tokens re-exported)
+    Admission,
+    CacheConfig,
+    LoadHandle,
+    LockReceipt,
+    MatchResult,
+    WritePolicy,
+    as_tokens,
+)
 from engine.core.device import resolve_device
 from engine.core.errors import OutOfCapacity
 
 
-class HiCache(StorageOps):
+class HiCache:
     """The cache stack of one rank (see the module docstring and docs/engine-api.md)."""
 
     def __init__(self, config: CacheConfig, events: EventLog | None = None,
@@ -58,23 +70,73 @@ class HiCache(StorageOps):
             self.l2_alloc = (PageAllocator(config.l2_pages, p, name="L2", strict=False)
                              if config.l2_pages else None)
             self.num_layers = 1
-        self.transfers = TransferEngine(self.device)
-        self.l3 = None  # an engine.cache.l3.L3Tier when external storage is configured
+        self._op_ids = itertools.count()   # one op-id sequence: transfers and L3 jobs
+        self.transfers = TransferEngine(self.device, op_ids=self._op_ids)
+        self.l3: L3Tier | None = None      # set by attach_l3
         self._inflight: dict[OpKind, collections.deque[TransferOp]] = {
             k: collections.deque() for k in OpKind}
-        self._heap_l1: list = []
-        self._heap_l2: list = []
-        self._heap_seq = 0
+        self._t1 = Tier("l1", self.l1_alloc, self._l1_candidate, self._evict_l1_node)
+        self._t2 = (Tier("l2", self.l2_alloc, self._l2_candidate, self._evict_l2_node)
+                    if self.l2_alloc is not None else None)
         self.counters: collections.Counter = collections.Counter()
 
     def attach_l3(self, impl, prefetch_policy: str = "wait_complete",
                   prefetch_timeout: float = 1.0) -> None:
         """Add the L3 tier (``engine.cache.l3.StoreTier`` or ``SimulatedTier``); needs an L2."""
-        from engine.cache.l3 import L3Tier
-
         if self.l2_alloc is None:
             raise ValueError("an L3 store needs an L2 host pool (set l2_tokens > 0)")
-        self.l3 = L3Tier(impl, self.page_size, prefetch_policy, prefetch_timeout)
+        self.l3 = L3Tier(impl, self.page_size, tree=self.tree, l2_alloc=self.l2_alloc,
+                         events=self.events, counters=self.counters, pin=self._pin,
+                         touch=self._push_candidate, evict_l2=self.evict_l2,
+                         op_ids=self._op_ids, prefetch_policy=prefetch_policy,
+                         prefetch_timeout=prefetch_timeout)
+
+    # ------------------------------------------------------------------ admission
+    def admit(self, tokens: Sequence[int] | np.ndarray, namespace: str | None = None, *,
+              rid: Any = None, priority: int = 0, extra_pages: int = 0,
+              reuse: bool = True) -> Admission | None:
+        """Admit a request in one all-or-nothing step: match → lock → alloc → load-back.
+
+        Reserves the request's L1 page table: one page per page of ``tokens`` (the last one may
+        be partial) plus ``extra_pages`` (decode room, lookahead pages). The matched prefix's
+        pages come from the cache (the L2 part and what L3 prefetched are loaded back into L1);
+        the rest are allocated (evicting unlocked KV). The request's own pages are allocated
+        *before* the load-back, so a request that cannot be admitted yet starts no load-back.
+
+        Returns ``None`` when L1 has no room even after eviction; then nothing is held (one
+        rollback path: the own pages are freed and the prefix unlocked). ``reuse=False``
+        allocates the page table without looking at the cache (no match, no lock).
+        """
+        p = self.page_size
+        total = -(-len(tokens) // p) + extra_pages
+        if not reuse:
+            try:
+                own = self.alloc(total)
+            except OutOfCapacity:
+                return None
+            return Admission(rid, namespace, own, 0, None, None)
+        m = self.match(tokens, namespace, rid=rid, priority=priority)
+        receipt = self.lock(m)
+        below = (m.l2_len + m.l3_len) // p   # pages past the L1 hit: L2 (+ L3 prefetched)
+        own = None
+        try:
+            own = self.alloc(total - m.l1_len // p - below)
+            load = self.load_back(m)
+            missing = below - m.loaded_len // p   # no room to load back: computed instead
+            if missing:
+                own = np.concatenate([self.alloc(missing), own])
+        except OutOfCapacity:
+            if own is not None:
+                self.free(own)
+            self.unlock(receipt)
+            return None
+        # Loaded = the L2 part, then what the match prefetched from L3 into L2.
+        storage = max(0, min(m.l3_len, m.loaded_len - m.l2_len))
+        prefix = m.l1_pages[:(m.l1_len + m.loaded_len) // p]
+        return Admission(rid, namespace, np.concatenate([prefix, own]), len(prefix), receipt,
+                         load if load is not None and load.ops else None,
+                         device_len=m.l1_len, host_len=m.loaded_len - storage,
+                         storage_len=storage, hashes=m.hashes)
 
     # ------------------------------------------------------------------ match / lock
     def match(self, tokens: Sequence[int] | np.ndarray, namespace: str | None = None,
@@ -113,18 +175,18 @@ class HiCache(StorageOps):
             hashes = self.l3.hashes(toks, namespace)
             start = (l1_len + l2_len) // self.page_size
             if start < len(hashes):
-                l3_len = self._l3_prefetch(path, toks, namespace, hashes, start, rid) \
+                l3_len = self.l3.prefetch(path, toks, namespace, hashes, start, rid) \
                     * self.page_size
         l1_pages = (np.concatenate([n.l1 for n in path[:n1]]) if n1
                     else np.empty(0, dtype=np.int64))
-        m = MatchResult(rid, namespace, l1_len, l2_len, l3_len, l1_pages, path, n1,
-                        hashes=hashes)
+        m = MatchResult(rid, namespace, l1_len, l2_len, l3_len, l1_pages, hashes=hashes,
+                        _path=path, _n_l1=n1)
         c = self.counters
         c["match_tokens"] += len(toks)
         c["hit_l1_tokens"] += l1_len
         c["hit_l2_tokens"] += l2_len
         c["hit_l3_tokens"] += l3_len
-        self.events.emit("match", rid=rid, l1_len=l1_len, l2_len=l2_len, l3_len=l3_len)
+        self.events.emit(EV.MATCH, rid=rid, l1_len=l1_len, l2_len=l2_len, l3_len=l3_len)
         if self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE and self.l2_alloc:
             hot = [n for n in path[:n1] if n.l2 is None and n.backing_up is None
                    and n.hit_count >= self.config.write_through_threshold]
@@ -133,29 +195,33 @@ class HiCache(StorageOps):
         return m
 
     def lock(self, m: MatchResult) -> LockReceipt:
-        node = m.path[-1] if m.path else None
-        n = node
-        while n is not None and n.parent is not None:
-            n.lock_ref += 1
-            n = n.parent
-        self.events.emit("lock", rid=m.rid, node=node.id if node else None)
-        return LockReceipt(node, m.rid)
+        """Pin the matched path (every tier) until :meth:`unlock`."""
+        node = m._path[-1] if m._path else None
+        self._pin(node, +1)
+        node_id = node.id if node else None
+        self.events.emit(EV.LOCK, rid=m.rid, node=node_id)
+        return LockReceipt(m.rid, node_id, node)
 
     def unlock(self, receipt: LockReceipt) -> None:
-        node = receipt.node
-        self.events.emit("unlock", rid=receipt.rid, node=node.id if node else None)
+        self.events.emit(EV.UNLOCK, rid=receipt.rid, node=receipt.node_id)
+        self._pin(receipt._node, -1)
+
+    def _pin(self, node: Node | None, delta: int) -> None:
+        """The one lock walk: add ``delta`` to the lock count of ``node`` and its ancestors; a
+        node whose count drops to zero becomes an eviction candidate again."""
+        push = self._push_candidate
         n = node
         while n is not None and n.parent is not None:
-            assert n.lock_ref > 0, f"unlock of {n!r} below zero (rid {receipt.rid})"
-            n.lock_ref -= 1
+            n.lock_ref += delta
+            assert n.lock_ref >= 0, f"unlock of {n!r} below zero"
             if n.lock_ref == 0:
-                self._push_candidate(n)
+                push(n)
             n = n.parent
 
     # ------------------------------------------------------------------ load-back L2 -> L1
     def load_back(self, m: MatchResult) -> LoadHandle | None:
         """Make the L2 part of ``m`` L1-resident. ``m`` must be locked by the caller."""
-        todo = m.path[m.n_l1_nodes:]
+        todo = m._path[m._n_l1:]
         if not todo:
             return None
         assert todo[-1].lock_ref > 0, "load_back of an unlocked match"
@@ -189,7 +255,7 @@ class HiCache(StorageOps):
                 node.loading = op
                 node.parent.n_l1_children += 1
                 off += k
-            self.events.emit("restore", op=op.op_id, rid=m.rid, pages=int(need))
+            self.events.emit(EV.RESTORE, op=op.op_id, rid=m.rid, pages=int(need))
             self.counters["loadback_pages"] += need
             self.counters["loadback_ops"] += 1
             self._inflight[OpKind.LOAD].append(op)
@@ -235,7 +301,7 @@ class HiCache(StorageOps):
             raise ValueError(f"insert needs {n_full} pages for {len(toks)} tokens, "
                              f"got {len(pages)}")
         toks = toks[:n_full * p]
-        start = after.node if after is not None else None
+        start = after._node if after is not None else None
         if start is not None:
             assert start.lock_ref > 0 and start.namespace == namespace, "stale insert hint"
         path, pos = self.tree.walk(toks, namespace, start=start)
@@ -279,8 +345,8 @@ class HiCache(StorageOps):
             last = new_node
         if self.l3 is not None:
             full_path = path + ([new_node] if new_node is not None else [])
-            self._assign_hashes(full_path, self.l3.hashes(toks, namespace, prefix_hashes))
-        self.events.emit("insert", rid=rid, node=last.id if last.parent else None,
+            self.l3.assign_hashes(full_path, self.l3.hashes(toks, namespace, prefix_hashes))
+        self.events.emit(EV.INSERT, rid=rid, node=last.id if last.parent else None,
                          tokens=int(len(toks)), new_tokens=int(len(toks) - pos))
         if self.l2_alloc is not None and self.write_policy is WritePolicy.WRITE_THROUGH \
                 and new_node is not None:
@@ -306,7 +372,7 @@ class HiCache(StorageOps):
         for node in nodes:
             node.backing_up = (op, off)
             off += len(node.tokens) // p
-        self.events.emit("backup", op=op.op_id, pages=int(need))
+        self.events.emit(EV.BACKUP, op=op.op_id, pages=int(need))
         self.counters["backup_pages"] += need
         self._inflight[OpKind.BACKUP].append(op)
         self.transfers.submit(op)
@@ -320,7 +386,9 @@ class HiCache(StorageOps):
         """Commit finished transfers in submission order; returns how many per queue.
 
         ``limits`` (queue name → count) consumes exactly that many, waiting for local
-        completion if needed — the PP stage protocol (SPEC §2.2).
+        completion if needed — the PP stage protocol (docs/engine-api.md): every stage of a
+        pipeline commits the same ops in the same step. Each queue named in ``limits`` records
+        one ``pp_ack`` event (the count consumed and the op ids) after its ``*_done`` events.
         """
         if limits is None and self.l3 is None and not any(self._inflight.values()):
             return {}
@@ -328,12 +396,15 @@ class HiCache(StorageOps):
         for kind, q in self._inflight.items():
             if limits is not None and kind.value in limits:
                 want = limits[kind.value]
-                n = 0
-                while n < want:
-                    assert q, f"asked to consume {want} {kind.value} ACKs, {n} in flight"
+                acks: list[int] = []
+                while len(acks) < want:
+                    assert q, f"asked to consume {want} {kind.value} ACKs, {len(acks)} in flight"
                     q[0].wait()
-                    self._complete(q.popleft())
-                    n += 1
+                    op = q.popleft()
+                    self._complete(op)
+                    acks.append(op.op_id)
+                n = len(acks)
+                self.events.emit(EV.PP_ACK, queue=kind.value, consumed=n, acks=acks)
             else:
                 n = 0
                 while q and q[0].done():
@@ -341,7 +412,7 @@ class HiCache(StorageOps):
                     n += 1
             out[kind.value] = n
         if self.l3 is not None:
-            out["storage"] = self._l3_poll()
+            out["storage"] = self.l3.poll()
         return out
 
     def _inflight_ops(self, kind: str) -> list[TransferOp]:
@@ -373,7 +444,7 @@ class HiCache(StorageOps):
                 self._complete(op)
         if self.l3 is not None:
             self.l3.wait_all()
-            self._l3_poll()
+            self.l3.poll()
 
     def _complete(self, op: TransferOp) -> None:
         if op.kind is OpKind.LOAD:
@@ -381,7 +452,7 @@ class HiCache(StorageOps):
                 if node.loading is op:
                     node.loading = None
                     self._push_candidate(node)
-            self.events.emit("restore_done", op=op.op_id)
+            self.events.emit(EV.RESTORE_DONE, op=op.op_id)
         elif op.kind is OpKind.BACKUP:
             p = self.page_size
             claimed = np.zeros(len(op.dst_pages), dtype=bool)
@@ -397,21 +468,23 @@ class HiCache(StorageOps):
                 claimed[start:start + k] = True
                 self._push_candidate(node)
                 if self.l3 is not None and node.l3 < k:
-                    self._l3_put(node)
+                    self.l3.put(node)
             if not claimed.all():
                 self.l2_alloc.free(op.dst_pages[~claimed])
-            self.events.emit("backup_done", op=op.op_id)
+            self.events.emit(EV.BACKUP_DONE, op=op.op_id)
 
     # ------------------------------------------------------------------ eviction
     def _push_candidate(self, node: Node) -> None:
         if node.parent is None or node.lock_ref:
             return
         if node.l1 is not None and node.n_l1_children == 0:
-            self._heap_seq += 1
-            heapq.heappush(self._heap_l1, (self.policy.key(node), self._heap_seq, node))
+            t = self._t1
+            t.seq += 1
+            heapq.heappush(t.heap, (self.policy.key(node), t.seq, node))
         if node.l2 is not None and (node.l1 is not None or not node.children):
-            self._heap_seq += 1
-            heapq.heappush(self._heap_l2, (self.policy.key(node), self._heap_seq, node))
+            t = self._t2
+            t.seq += 1
+            heapq.heappush(t.heap, (self.policy.key(node), t.seq, node))
 
     @staticmethod
     def _l1_candidate(node: Node) -> bool:
@@ -426,57 +499,18 @@ class HiCache(StorageOps):
                 and node.backing_up is None and node.loading is None
                 and (node.l1 is not None or not node.children))
 
-    def _rebuild_heap(self, tier: str) -> None:
-        check = self._l1_candidate if tier == "l1" else self._l2_candidate
-        heap = []
-        for node in self.tree.iter_nodes():
-            if check(node):
-                self._heap_seq += 1
-                heap.append((self.policy.key(node), self._heap_seq, node))
-        heapq.heapify(heap)
-        if tier == "l1":
-            self._heap_l1 = heap
-        else:
-            self._heap_l2 = heap
-
-    def _evict(self, tier: str, n_pages: int, evict_one) -> int:
-        """The leaf-first loop both tiers share: pop candidates in policy order, skip stale
-        heap entries, let ``evict_one`` free a node's pages (False: it could not), and record
-        one ``evict`` event."""
-        is_candidate = self._l1_candidate if tier == "l1" else self._l2_candidate
-        heap_name = "_heap_l1" if tier == "l1" else "_heap_l2"
-        key = self.policy.key
-        freed = 0
-        eligible: list[int] = []
-        evicted: list[int] = []
-        rebuilt = False
-        while freed < n_pages:
-            heap = getattr(self, heap_name)
-            if not heap:
-                if rebuilt:
-                    break
-                self._rebuild_heap(tier)
-                rebuilt = True
-                continue
-            k, _, node = heapq.heappop(heap)
-            if not is_candidate(node) or key(node) != k:
-                continue
-            eligible.append(node.id)
-            pages = len(node.tokens) // self.page_size
-            if not evict_one(node):
-                continue
-            evicted.append(node.id)
-            freed += pages
-        if len(getattr(self, heap_name)) > 4 * self.tree.num_nodes + 4096:
-            self._rebuild_heap(tier)
+    def _evict(self, tier: Tier, n_pages: int) -> int:
+        """One eviction pass over ``tier`` (:meth:`Tier.evict`), recorded as one ``evict``."""
+        freed, eligible, evicted = tier.evict(n_pages, self.policy.key, self.page_size,
+                                              self.tree)
         if eligible:
-            self.events.emit("evict", tier=tier, eligible=eligible, evicted=evicted)
-            self.counters[f"evicted_{tier}_pages"] += freed
+            self.events.emit(EV.EVICT, tier=tier.name, eligible=eligible, evicted=evicted)
+            self.counters[f"evicted_{tier.name}_pages"] += freed
         return freed
 
     def evict_l1(self, n_pages: int) -> int:
         """Free at least ``n_pages`` L1 pages if possible (leaf-first, policy order)."""
-        return self._evict("l1", n_pages, self._evict_l1_node)
+        return self._evict(self._t1, n_pages)
 
     def _evict_l1_node(self, node: Node) -> bool:
         if node.l2 is None and node.backing_up is not None:
@@ -500,11 +534,11 @@ class HiCache(StorageOps):
         return True
 
     def evict_l2(self, n_pages: int) -> int:
-        return self._evict("l2", n_pages, self._evict_l2_node)
+        return self._evict(self._t2, n_pages)
 
     def _evict_l2_node(self, node: Node) -> bool:
         if self.l3 is not None and node.l3 < len(node.tokens) // self.page_size:
-            self._l3_put(node, sync=True)
+            self.l3.put(node, sync=True)
         parent = node.parent
         self.l2_alloc.free(node.l2)
         node.l2 = None
@@ -519,7 +553,7 @@ class HiCache(StorageOps):
         self.evict_l1(1 << 62)
         if self.l2_alloc is not None:
             self.evict_l2(1 << 62)
-        self.events.emit("flush")
+        self.events.emit(EV.FLUSH)
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """The L3 tier of the facade: prefetch L3 → L2 on a miss, back up L2 → L3.
 
-Two implementations behind one small interface, so the facade's logic is written once:
+:class:`L3Tier` is the object the facade holds (composition) for these steps. It drives one of two
+implementations behind one small interface, so its logic is written once:
 
 * :class:`StoreTier` moves real bytes through an :class:`engine.storage.l3store.L3Store`
   (file or Mooncake backend) on a background thread; results are committed on the scheduler
@@ -8,7 +9,7 @@ Two implementations behind one small interface, so the facade's logic is written
 * :class:`SimulatedTier` (trace replay) keeps only the set of stored page keys, with a capacity
   in pages and LRU eviction; everything completes at once.
 
-Prefetch policies (SPEC §1): ``best_effort`` (never wait: what arrives later serves later
+Prefetch policies (docs/engine-api.md): ``best_effort`` (never wait: what arrives later serves later
 requests), ``wait_complete`` (wait for the whole fetch), ``timeout`` (wait up to a deadline).
 """
 
@@ -18,10 +19,11 @@ import collections
 import logging
 import queue
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from engine.cache.events import EV
 from engine.core.choices import Choice
 from engine.core.hashing import PageHash, namespace_seed, page_hashes
 
@@ -154,9 +156,23 @@ class StoreTier:
 
 
 class L3Tier:
-    """Facade-side bookkeeping shared by both tiers: jobs in flight, policy, timeouts."""
+    """The facade's L3 tier: prefetch L3 → L2 on a miss, back up L2 → L3 (composition: the
+    facade holds one, see :meth:`engine.cache.facade.HiCache.attach_l3`).
 
-    def __init__(self, impl: "SimulatedTier | StoreTier", page_size: int,
+    Prefetched pages become L2-only tree nodes under the matched path, so the ordinary
+    load-back brings them on to L1. Backups are written through to L3 when a node's L2 copy is
+    committed, and on L2 eviction when not yet stored. Every step emits its event.
+
+    What it needs of the cache is handed to it explicitly: the tree, the L2 allocator, the event
+    log and counters, ``pin(node, ±1)`` (the facade's one lock walk), ``touch(node)`` (make a
+    node an eviction candidate), ``evict_l2(pages)`` and ``op_ids`` (the op-id counter transfers
+    draw from too, so every ``op`` of a rank's events is one integer sequence).
+    """
+
+    def __init__(self, impl: "SimulatedTier | StoreTier", page_size: int, *,
+                 tree: Any, l2_alloc: Any, events: Any, counters: collections.Counter,
+                 pin: Callable[[Any, int], None], touch: Callable[[Any], None],
+                 evict_l2: Callable[[int], int], op_ids: Iterator[int],
                  prefetch_policy: "str | PrefetchPolicy" = PrefetchPolicy.WAIT_COMPLETE,
                  prefetch_timeout: float = 1.0):
         self.impl = impl
@@ -164,9 +180,13 @@ class L3Tier:
         self.policy = PrefetchPolicy.parse(prefetch_policy)
         self.timeout = prefetch_timeout
         self.inflight: "collections.deque[Job]" = collections.deque()
-        self._next = 0
         self.counters: collections.Counter = collections.Counter()
+        self._tree, self._l2_alloc, self._events = tree, l2_alloc, events
+        self._cache_counters = counters
+        self._pin, self._touch, self._evict_l2 = pin, touch, evict_l2
+        self._op_ids = op_ids
 
+    # -- jobs ----------------------------------------------------------------------------------
     def hashes(self, tokens: np.ndarray, namespace: str | None,
                prefix: Sequence[PageHash] = ()) -> list[PageHash]:
         return chain_hashes(tokens, self.page_size, namespace, prefix)
@@ -175,8 +195,7 @@ class L3Tier:
         return self.impl.exists_prefix(hashes)
 
     def submit(self, kind: str, hashes: list, pages: np.ndarray, payload: Any) -> Job:
-        job = Job(kind, hashes, pages, payload, self._next)
-        self._next += 1
+        job = Job(kind, hashes, pages, payload, next(self._op_ids))
         self.inflight.append(job)
         self.impl.run(job)
         return job
@@ -216,26 +235,15 @@ class L3Tier:
         self.wait_all()
         self.impl.close()
 
-
-class StorageOps:
-    """The facade's L3 steps (mixed into :class:`engine.cache.facade.HiCache`).
-
-    Prefetched pages become L2-only tree nodes under the matched path, so the ordinary
-    load-back brings them on to L1. Backups are written through to L3 when a node's L2 copy is
-    committed, and on L2 eviction when not yet stored. Every step emits its event.
-    """
-
-    l3: "L3Tier | None"
-
     # -- hashes ------------------------------------------------------------------------------
-    def _node_hashes(self, node) -> list:
+    def node_hashes(self, node) -> list:
         if node.l3_hashes is None:
-            toks = self.tree.prefix_tokens(node)
+            toks = self._tree.prefix_tokens(node)
             k = len(node.tokens) // self.page_size
-            node.l3_hashes = self.l3.hashes(toks, node.namespace)[-k:]
+            node.l3_hashes = self.hashes(toks, node.namespace)[-k:]
         return node.l3_hashes
 
-    def _assign_hashes(self, path: list, hashes: Sequence[PageHash]) -> None:
+    def assign_hashes(self, path: list, hashes: Sequence[PageHash]) -> None:
         off = 0
         for node in path:
             k = len(node.tokens) // self.page_size
@@ -244,47 +252,41 @@ class StorageOps:
             off += k
 
     # -- prefetch L3 -> L2 ---------------------------------------------------------------------
-    def _l3_prefetch(self, path: list, toks: np.ndarray, namespace, hashes: list,
-                     start: int, rid) -> int:
-        """Fetch pages ``start…`` that L3 holds into L2; returns pages committed now."""
+    def prefetch(self, path: list, toks: np.ndarray, namespace, hashes: list,
+                 start: int, rid) -> int:
+        """Fetch pages ``start…`` that L3 holds into L2 (a new node appended to ``path`` when
+        committed now); returns the pages committed now."""
         p = self.page_size
-        n3 = self.l3.exists_prefix(hashes[start:])
-        if n3 == 0 or self.l2_alloc is None:
+        n3 = self.exists_prefix(hashes[start:])
+        alloc = self._l2_alloc
+        if n3 == 0 or alloc is None:
             return 0
-        parent = path[-1] if path else self.tree.root(namespace)
+        parent = path[-1] if path else self._tree.root(namespace)
         self._pin(parent, +1)
-        short = n3 - self.l2_alloc.free_pages
+        short = n3 - alloc.free_pages
         if short > 0:
-            self.evict_l2(short)
-        n = min(n3, self.l2_alloc.free_pages)
+            self._evict_l2(short)
+        n = min(n3, alloc.free_pages)
         if n == 0:
             self._pin(parent, -1)
             return 0
-        pages = self.l2_alloc.alloc(n)
-        job = self.l3.submit("get", hashes[start:start + n], pages,
-                             payload=(parent, toks[start * p:(start + n) * p].copy(), rid))
-        self.events.emit("restore", op=f"l3-{job.op_id}", rid=rid, pages=int(n), src="l3")
-        self.counters["prefetch_pages_issued"] += n
-        if self.l3.wait(job):
-            self.l3.take_done(lambda j: j is job)
-            node = self._l3_commit(job)
+        pages = alloc.alloc(n)
+        job = self.submit("get", hashes[start:start + n], pages,
+                          payload=(parent, toks[start * p:(start + n) * p].copy(), rid))
+        self._events.emit(EV.RESTORE, op=job.op_id, rid=rid, pages=int(n), src="l3")
+        self._cache_counters["prefetch_pages_issued"] += n
+        if self.wait(job):
+            self.take_done(lambda j: j is job)
+            node = self._commit(job)
             if node is not None:
                 path.append(node)
                 return len(node.tokens) // p
         return 0
 
-    def _pin(self, node, delta: int) -> None:
-        n = node
-        while n is not None and n.parent is not None:
-            n.lock_ref += delta
-            if n.lock_ref == 0:
-                self._push_candidate(n)
-            n = n.parent
-
-    def _l3_commit(self, job: Job):
+    def _commit(self, job: Job):
         if job.error is not None:
             log.warning("L3 %s failed: %s", job.kind, job.error)
-            self.counters["l3_errors"] += 1
+            self._cache_counters["l3_errors"] += 1
         if job.kind == "put":
             node = job.payload
             if job.error is None and int(job.result) == len(job.hashes):
@@ -297,44 +299,45 @@ class StorageOps:
                     left -= k
                     cur = cur.parent
             self._pin(node, -1)
-            self.events.emit("backup_done", op=f"l3-{job.op_id}", dst="l3")
+            self._events.emit(EV.BACKUP_DONE, op=job.op_id, dst="l3")
             return None
         parent, toks, rid = job.payload
         p = self.page_size
+        tree = self._tree
         n_ok = int(job.result or 0)
         pages = job.pages
         node = None
-        alive = parent.parent is not None or self.tree.roots.get(parent.namespace) is parent
-        if n_ok and alive and self.tree.key_of(toks) not in parent.children:
-            node = self.tree.add_child(parent, toks[:n_ok * p])
+        alive = parent.parent is not None or tree.roots.get(parent.namespace) is parent
+        if n_ok and alive and tree.key_of(toks) not in parent.children:
+            node = tree.add_child(parent, toks[:n_ok * p])
             node.l2 = pages[:n_ok]
             node.l3 = n_ok
             node.l3_hashes = list(job.hashes[:n_ok])
-            node.last_access = self.tree.tick()
-            self._push_candidate(node)
-            self.counters["prefetch_pages"] += n_ok
+            node.last_access = tree.tick()
+            self._touch(node)
+            self._cache_counters["prefetch_pages"] += n_ok
             rest = pages[n_ok:]
         else:
             rest = pages
         if len(rest):
-            self.l2_alloc.free(rest)
+            self._l2_alloc.free(rest)
         self._pin(parent, -1)
-        self.events.emit("restore_done", op=f"l3-{job.op_id}", pages=int(n_ok) if node else 0)
+        self._events.emit(EV.RESTORE_DONE, op=job.op_id, pages=int(n_ok) if node else 0)
         return node
 
     # -- backup L2 -> L3 -----------------------------------------------------------------------
-    def _l3_put(self, node, sync: bool = False) -> None:
-        hashes = self._node_hashes(node)
+    def put(self, node, sync: bool = False) -> None:
+        hashes = self.node_hashes(node)
         self._pin(node, +1)
-        job = self.l3.submit("put", list(hashes), node.l2, payload=node)
-        self.events.emit("backup", op=f"l3-{job.op_id}", pages=len(hashes), dst="l3")
-        if sync or self.l3.impl.synchronous:
+        job = self.submit("put", list(hashes), node.l2, payload=node)
+        self._events.emit(EV.BACKUP, op=job.op_id, pages=len(hashes), dst="l3")
+        if sync or self.impl.synchronous:
             job.event.wait()
-            self.l3.take_done(lambda j: j is job)
-            self._l3_commit(job)
+            self.take_done(lambda j: j is job)
+            self._commit(job)
 
-    def _l3_poll(self) -> int:
-        done = self.l3.take_done()
+    def poll(self) -> int:
+        done = self.take_done()
         for job in done:
-            self._l3_commit(job)
+            self._commit(job)
         return len(done)

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import collections
 import enum
+import itertools
 import queue
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -88,9 +89,10 @@ class TransferOp:
 class TransferEngine:
     """Executes ops in submission order per queue, loads before backups."""
 
-    def __init__(self, device: str = "cpu"):
+    def __init__(self, device: str = "cpu", op_ids: Iterator[int] | None = None):
         self.device = device
-        self._next_id = 0
+        # Op ids (formats.ranklog_events.OpId): the facade shares one sequence with its L3 tier.
+        self._op_ids = op_ids if op_ids is not None else itertools.count()
         self._work: "queue.PriorityQueue[tuple[int, int, TransferOp | None]]" = queue.PriorityQueue()
         self._thread: threading.Thread | None = None
         self._stream = None
@@ -108,10 +110,8 @@ class TransferEngine:
 
     def new_op(self, kind: OpKind, src, src_pages, dst, dst_pages, num_layers: int,
                payload: Any = None) -> TransferOp:
-        op = TransferOp(self._next_id, kind, src, np.asarray(src_pages, dtype=np.int64), dst,
-                        np.asarray(dst_pages, dtype=np.int64), num_layers, payload)
-        self._next_id += 1
-        return op
+        return TransferOp(next(self._op_ids), kind, src, np.asarray(src_pages, dtype=np.int64),
+                          dst, np.asarray(dst_pages, dtype=np.int64), num_layers, payload)
 
     def submit(self, op: TransferOp) -> TransferOp:
         if op.src is None or op.dst is None or len(op.src_pages) == 0:

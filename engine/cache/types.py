@@ -1,7 +1,7 @@
-"""The facade's values: configuration, match results, lock receipts, load handles.
+"""The facade's values: configuration, match results, lock receipts, admissions, load handles.
 
-Callers (scheduler, replay, CLI) get these back from :class:`engine.cache.facade.HiCache` and never
-walk tree nodes themselves (STYLE: a facade that returns result objects).
+Callers (scheduler, replay, CLI) get these back from :class:`engine.cache.facade.HiCache`; none of
+them holds a tree node (ids only), so callers never walk or change the tree themselves.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from engine.cache.pool import HostLayout
-from engine.cache.radix_tree import TOKEN_DTYPE, Node
+from engine.cache.radix_tree import TOKEN_DTYPE
 from engine.cache.transfer import TransferOp
 from engine.core.choices import Choice
 from engine.core.layout import KVLayout
@@ -65,7 +65,11 @@ class CacheConfig:
 
 @dataclasses.dataclass
 class MatchResult:
-    """What a prompt hits, per tier. Lengths are tokens (multiples of ``page_size``)."""
+    """What a prompt hits, per tier. Lengths are tokens (multiples of ``page_size``).
+
+    ``node_id`` is the logical id of the deepest matched tree node (what ``lock`` events and
+    snapshots name); the nodes themselves stay inside the facade.
+    """
 
     rid: Any
     namespace: str | None
@@ -73,11 +77,12 @@ class MatchResult:
     l2_len: int
     l3_len: int
     l1_pages: np.ndarray                  # L1 page ids covering l1_len (+ loaded_len)
-    path: list[Node] = dataclasses.field(repr=False)
-    n_l1_nodes: int = 0                    # path[:n_l1_nodes] is the L1 hit
     loaded_len: int = 0                    # tokens made L1-resident by load_back
     load: "LoadHandle | None" = None
     hashes: list = dataclasses.field(default_factory=list, repr=False)  # L3 page hashes
+    # The facade's own state (the matched tree path and where its L1 part ends): not public.
+    _path: list = dataclasses.field(default_factory=list, repr=False, compare=False)
+    _n_l1: int = dataclasses.field(default=0, repr=False, compare=False)
 
     @property
     def hit_len(self) -> int:
@@ -86,15 +91,46 @@ class MatchResult:
 
     @property
     def node_id(self) -> int | None:
-        return self.path[-1].id if self.path else None
+        return self._path[-1].id if self._path else None
 
 
 @dataclasses.dataclass(frozen=True)
 class LockReceipt:
-    """What :meth:`HiCache.unlock` needs: acquire and release are paired by this value."""
+    """What :meth:`HiCache.unlock` needs: acquire and release are paired by this value.
 
-    node: Node | None
+    ``node_id`` is the logical id of the locked node (``None``: nothing was matched)."""
+
     rid: Any
+    node_id: int | None
+    _node: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+
+@dataclasses.dataclass
+class Admission:
+    """One request admitted by :meth:`HiCache.admit`: its prefix locked, its page table
+    complete, the L2 (and L3-prefetched) part of the prefix loading into L1.
+
+    ``pages`` is the request's L1 page table: ``pages[:n_prefix_pages]`` hold the reused prefix
+    (owned by the cache; the prefix's KV is usable once ``load`` says so), the rest are the
+    request's own pages (given back with ``HiCache.free`` or handed to ``HiCache.insert``).
+    Release with ``HiCache.unlock(admission.receipt)`` when ``receipt`` is not ``None``.
+    """
+
+    rid: Any
+    namespace: str | None
+    pages: np.ndarray
+    n_prefix_pages: int
+    receipt: LockReceipt | None          # None: admitted without the prefix cache
+    load: "LoadHandle | None"            # None: nothing to wait for
+    device_len: int = 0                  # prefix tokens that were on L1 already
+    host_len: int = 0                    # prefix tokens loaded back from L2
+    storage_len: int = 0                 # prefix tokens fetched from L3 (through L2)
+    hashes: list = dataclasses.field(default_factory=list, repr=False)  # L3 page hashes
+
+    @property
+    def prefix_len(self) -> int:
+        """Tokens whose KV the request reuses (``device_len + host_len + storage_len``)."""
+        return self.device_len + self.host_len + self.storage_len
 
 
 class LoadHandle:

@@ -30,11 +30,14 @@ import random
 from collections import deque
 from typing import Callable
 
-from engine.cache.events import EventLog
+from engine.cache.events import EV, EventLog
+
+_COMPLETIONS = EV.family(EV.RESTORE_COMPLETION)
+_LOCKS = EV.family(EV.LOCK_ORDER)
 
 
 def _hit_length(ev: dict) -> bool:
-    if ev["kind"] != "match":
+    if ev["kind"] != EV.MATCH.name:
         return False
     l1 = ev.get("l1_len", 0)
     ev["l1_len"] = l1 // 2 if isinstance(l1, int) and l1 > 0 else 1
@@ -42,22 +45,21 @@ def _hit_length(ev: dict) -> bool:
 
 
 def _restore_completion(ev: dict) -> bool:
-    if ev["kind"] not in ("restore_done", "backup_done"):
+    if ev["kind"] not in _COMPLETIONS:
         return False
-    op = ev.get("op")
-    ev["op"] = op + 1 if isinstance(op, int) else f"{op}'"
+    ev["op"] = ev.get("op", -1) + 1        # op ids are integers (formats.ranklog_events.OpId)
     return True
 
 
 def _lock_order(ev: dict) -> bool:
-    if ev["kind"] not in ("lock", "unlock"):
+    if ev["kind"] not in _LOCKS:
         return False
-    ev["kind"] = "unlock" if ev["kind"] == "lock" else "lock"
+    ev["kind"] = EV.UNLOCK.name if ev["kind"] == EV.LOCK.name else EV.LOCK.name
     return True
 
 
 def _eviction_eligibility(ev: dict) -> bool:
-    if ev["kind"] != "evict":
+    if ev["kind"] != EV.EVICT.name:
         return False
     eligible = list(ev.get("eligible") or [])
     if eligible:
@@ -70,7 +72,7 @@ def _eviction_eligibility(ev: dict) -> bool:
 
 
 def _pp_ack(ev: dict) -> bool:
-    if ev["kind"] != "pp_ack":
+    if ev["kind"] != EV.PP_ACK.name:
         return False
     consumed = ev.get("consumed", 0)
     acks = list(ev.get("acks") or [])
@@ -95,14 +97,14 @@ MUTATIONS: dict[str, Callable[[dict], bool]] = {
     "pp_ack": _pp_ack,
     "missing_events": _missing_events,
 }
-# the divergence category each kind produces (formats.ranklog names), also accepted in specs
+# the divergence category each kind produces (formats.ranklog_events), also accepted in specs
 CATEGORY_OF = {
-    "hit_length": "hit_length_mismatch",
-    "restore_completion": "restore_completion_mismatch",
-    "lock_order": "lock_order_mismatch",
-    "eviction_eligibility": "eviction_eligibility_divergence",
-    "pp_ack": "pp_ack_consumption_mismatch",
-    "missing_events": "missing_events",
+    "hit_length": EV.HIT_LENGTH,
+    "restore_completion": EV.RESTORE_COMPLETION,
+    "lock_order": EV.LOCK_ORDER,
+    "eviction_eligibility": EV.EVICTION,
+    "pp_ack": EV.PP_ACK_CATEGORY,
+    "missing_events": EV.MISSING,
 }
 _ALIASES = {v: k for k, v in CATEGORY_OF.items()}
 
@@ -220,45 +222,45 @@ def synthetic_decisions(n: int, seed: int = 0, page: int = 64) -> list[dict]:
             l1 = rng.randrange(0, 64) * page
             l2 = rng.choice((0, 0, 0, rng.randrange(1, 16) * page))
             l3 = rng.choice((0, 0, 0, 0, rng.randrange(1, 8) * page))
-            add({"step": step, "kind": "match", "rid": rid, "l1_len": l1, "l2_len": l2,
+            add({"step": step, "kind": EV.MATCH.name, "rid": rid, "l1_len": l1, "l2_len": l2,
                  "l3_len": l3})
             node = next_node
             next_node += 1
-            add({"step": step, "kind": "lock", "rid": rid, "node": node})
+            add({"step": step, "kind": EV.LOCK.name, "rid": rid, "node": node})
             if l2 or l3:
                 pages = (l2 + l3) // page
                 base = rng.randrange(1 << 16)
-                add({"step": step, "kind": "restore", "op": op, "rid": rid, "pages": pages,
+                add({"step": step, "kind": EV.RESTORE.name, "op": op, "rid": rid, "pages": pages,
                      "local_slots": list(range(base, base + pages))})
                 restores.append((op, step + rng.randint(1, 3)))
                 op += 1
             running.append((rid, node, step + rng.randint(1, 20)))
         while restores and restores[0][1] <= step:     # completions, in order
             o, _ = restores.popleft()
-            add({"step": step, "kind": "restore_done", "op": o})
+            add({"step": step, "kind": EV.RESTORE_DONE.name, "op": o})
             load_acks.append(o)
         while backups and backups[0][1] <= step:
             o, _ = backups.popleft()
-            add({"step": step, "kind": "backup_done", "op": o})
+            add({"step": step, "kind": EV.BACKUP_DONE.name, "op": o})
             backup_acks.append(o)
         if load_acks and rng.random() < 0.7:
             k = rng.randint(1, len(load_acks))
-            add({"step": step, "kind": "pp_ack", "queue": "load", "consumed": k,
+            add({"step": step, "kind": EV.PP_ACK.name, "queue": "load", "consumed": k,
                  "acks": load_acks[:k]})
             del load_acks[:k]
         if backup_acks and rng.random() < 0.5:
             k = rng.randint(1, len(backup_acks))
-            add({"step": step, "kind": "pp_ack", "queue": "backup", "consumed": k,
+            add({"step": step, "kind": EV.PP_ACK.name, "queue": "backup", "consumed": k,
                  "acks": backup_acks[:k]})
             del backup_acks[:k]
         for _ in range(len(running)):                  # finishes
             rid, node, fin = running[0]
             running.rotate(-1)
             if fin <= step:
-                add({"step": step, "kind": "unlock", "rid": rid, "node": node})
+                add({"step": step, "kind": EV.UNLOCK.name, "rid": rid, "node": node})
                 pages = rng.randint(1, 8)
                 base = rng.randrange(1 << 16)
-                add({"step": step, "kind": "backup", "op": op, "pages": pages,
+                add({"step": step, "kind": EV.BACKUP.name, "op": op, "pages": pages,
                      "local_slots": list(range(base, base + pages))})
                 backups.append((op, step + rng.randint(1, 4)))
                 op += 1
@@ -266,7 +268,7 @@ def synthetic_decisions(n: int, seed: int = 0, page: int = 64) -> list[dict]:
         if step % 4 == 3:
             eligible = sorted(rng.sample(range(max(1, next_node - 500), next_node),
                                          min(8, next_node - 1)))
-            add({"step": step, "kind": "evict", "tier": rng.choice(("l1", "l2")),
+            add({"step": step, "kind": EV.EVICT.name, "tier": rng.choice(("l1", "l2")),
                  "eligible": eligible, "evicted": eligible[:rng.randint(0, len(eligible))]})
         step += 1
     del evs[n:]
@@ -278,4 +280,4 @@ def record(log: EventLog, decisions: list[dict]) -> None:
     for d in decisions:
         if d["step"] != log.step:
             log.set_step(d["step"])
-        log.emit(d["kind"], **{k: v for k, v in d.items() if k not in ("step", "kind")})
+        log.emit(EV.KINDS[d["kind"]], **{k: v for k, v in d.items() if k not in ("step", "kind")})

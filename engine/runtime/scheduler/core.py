@@ -327,57 +327,26 @@ class Scheduler:
         return n
 
     def _admit(self, r: _Req) -> bool:
-        """match → lock → alloc → load_back. False (and nothing held) when L1 has no room.
-
-        The request's own pages are allocated *before* the load-back, so a request that cannot
-        be admitted yet never triggers a load-back it will not use (and a later retry reports
-        its prefix as loaded from L2, not as an L1 hit it caused itself).
+        """One all-or-nothing :meth:`HiCache.admit`; False (and nothing held) when L1 has no
+        room. The last prompt token is never matched: computing it yields the first output's
+        logits. The page table covers every position that will hold KV (:meth:`_Req.kv_needed`).
         """
-        cache, p = self.cache, self.page_size
-        total = -(-r.kv_needed() // p)
-        if self.config.disable_radix_cache:
-            try:
-                own = cache.alloc(total)
-            except OutOfCapacity:
-                return False
-            self._admitted(r, None, None, np.empty(0, dtype=np.int64), own)
-            return True
-        # The last prompt token is always computed: it yields the first output's logits.
-        m = cache.match(r.ids[:r.prompt_len - 1], r.namespace, rid=r.rid, priority=r.priority)
-        receipt = cache.lock(m)
-        below = (m.l2_len + m.l3_len) // p   # pages past the L1 hit: L2 (+ L3 prefetched to L2)
-        try:
-            own = cache.alloc(total - m.l1_len // p - below)
-        except OutOfCapacity:
-            cache.unlock(receipt)
+        p = self.page_size
+        matched = r.ids[:r.prompt_len - 1]
+        extra = -(-r.kv_needed() // p) - (-(-len(matched) // p))
+        a = self.cache.admit(matched, r.namespace, rid=r.rid, priority=r.priority,
+                             extra_pages=extra, reuse=not self.config.disable_radix_cache)
+        if a is None:
             return False
-        load = cache.load_back(m)
-        missing = below - m.loaded_len // p  # no room to load back: compute them instead
-        if missing:
-            try:
-                own = np.concatenate([cache.alloc(missing), own])
-            except OutOfCapacity:
-                cache.free(own)
-                cache.unlock(receipt)
-                return False
-        # Loaded = the L2 part, then what the match prefetched from L3 into L2.
-        r.cached_device = m.l1_len
-        r.cached_storage = max(0, min(m.l3_len, m.loaded_len - m.l2_len))
-        r.cached_host = m.loaded_len - r.cached_storage
-        r.hashes = m.hashes
-        prefix = m.l1_pages[:(m.l1_len + m.loaded_len) // p]
-        self._admitted(r, receipt, load if load is not None and load.ops else None, prefix, own)
-        return True
-
-    def _admitted(self, r: _Req, receipt: Any, load: Any, prefix: np.ndarray,
-                  own: np.ndarray) -> None:
-        r.receipt, r.load = receipt, load
-        r.pages = np.concatenate([prefix, own])
-        r.n_prefix_pages = len(prefix)
-        r.kv_len = len(prefix) * self.page_size
+        r.receipt, r.load, r.hashes = a.receipt, a.load, a.hashes
+        r.cached_device, r.cached_host, r.cached_storage = a.device_len, a.host_len, a.storage_len
+        r.pages = a.pages
+        r.n_prefix_pages = a.n_prefix_pages
+        r.kv_len = a.n_prefix_pages * p
         r.phase = _Phase.PREFILL
         r.t_admit = time.perf_counter()
         self.metrics.queue_time.observe(r.t_admit - r.t_arrival)
+        return True
 
     def _run_batch(self, chunks: list[Chunk], reqs: list[_Req]) -> None:
         hooks = [r.load.wait_layer for r in reqs if r.load is not None]

@@ -1,0 +1,75 @@
+"""The evictable tiers of the facade (L1, L2) as small records.
+
+A :class:`Tier` holds what the facade's one eviction loop needs to know about a tier: its page
+allocator, its heap of eviction candidates, which nodes may leave it and the step that frees one
+node's pages there. The facade builds one per tier it has (:class:`engine.cache.facade.HiCache`)
+and hands it to :meth:`Tier.evict`; no tier is named by a string looked up with ``getattr``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any, Callable, Iterable
+
+from engine.cache.radix_tree import Node, RadixTree
+
+
+class Tier:
+    """One tier: ``heap`` entries are ``(policy key, seq, node)``; stale entries (the node is no
+    candidate any more, or its key changed) are skipped when popped, so pushing is cheap."""
+
+    __slots__ = ("name", "alloc", "heap", "seq", "is_candidate", "evict_one")
+
+    def __init__(self, name: str, alloc: Any, is_candidate: Callable[[Node], bool],
+                 evict_one: Callable[[Node], bool]):
+        self.name = name
+        self.alloc = alloc
+        self.heap: list = []
+        self.seq = 0
+        self.is_candidate = is_candidate
+        self.evict_one = evict_one
+
+    def push(self, key: Any, node: Node) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (key, self.seq, node))
+
+    def rebuild(self, nodes: Iterable[Node], key: Callable[[Node], Any]) -> None:
+        """A fresh heap of exactly the current candidates (drops every stale entry)."""
+        heap = []
+        check = self.is_candidate
+        for node in nodes:
+            if check(node):
+                self.seq += 1
+                heap.append((key(node), self.seq, node))
+        heapq.heapify(heap)
+        self.heap = heap
+
+    def evict(self, n_pages: int, key: Callable[[Node], Any], page_size: int,
+              tree: RadixTree) -> tuple[int, list[int], list[int]]:
+        """The leaf-first loop every tier shares: pop candidates in policy order, skip stale
+        entries, let ``evict_one`` free a node's pages (False: it could not). Returns the pages
+        freed, the ids of the eligible nodes seen and of those evicted."""
+        is_candidate, evict_one = self.is_candidate, self.evict_one
+        freed = 0
+        eligible: list[int] = []
+        evicted: list[int] = []
+        rebuilt = False
+        while freed < n_pages:
+            if not self.heap:
+                if rebuilt:
+                    break
+                self.rebuild(tree.iter_nodes(), key)
+                rebuilt = True
+                continue
+            k, _, node = heapq.heappop(self.heap)
+            if not is_candidate(node) or key(node) != k:
+                continue
+            eligible.append(node.id)
+            pages = len(node.tokens) // page_size
+            if not evict_one(node):
+                continue
+            evicted.append(node.id)
+            freed += pages
+        if len(self.heap) > 4 * tree.num_nodes + 4096:
+            self.rebuild(tree.iter_nodes(), key)
+        return freed, eligible, evicted
