@@ -7,6 +7,9 @@ Parseable from a dict or a JSON file (size-limited, no eval)::
                                          "metadata_server": "http://10.0.0.1:8080/metadata",
                                          "global_segment_size": "4gb"}}
 
+Top-level ``deadline_s`` (default 5; 0 = none) bounds every store call
+(:mod:`engine.storage.guard`); ``start_deadline_s`` (default 20) bounds starting the backend.
+
 A Mooncake config file in Mooncake's own format (top-level ``master_server_address``,
 ``metadata_server``, ``global_segment_size``, …, no ``backend`` key) is accepted as is.
 """
@@ -129,9 +132,15 @@ class StorageConfig:
     file: FileStoreConfig = FileStoreConfig()
     mooncake: MooncakeStoreConfig = MooncakeStoreConfig()
     memory: MemoryStoreConfig = MemoryStoreConfig()
+    deadline_s: float = 5.0          # a store call past this is abandoned (store degraded)
+    start_deadline_s: float = 20.0   # starting the backend (connect, setup)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", BackendKind.parse(self.backend))
+        for name in ("deadline_s", "start_deadline_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 86400:
+                raise ValueError(f"{name} must be a number of seconds in [0, 86400], got {v!r}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "storage config") -> "StorageConfig":
@@ -139,19 +148,24 @@ class StorageConfig:
             raise InputError(f"{where}: expected a JSON object")
         if "backend" not in d and ("master_server_address" in d or "metadata_server" in d):
             return cls(BackendKind.MOONCAKE, mooncake=_sub_config(MooncakeStoreConfig, d, where))
-        unknown = set(d) - {"backend", "file", "mooncake", "memory"}
+        unknown = set(d) - {"backend", "file", "mooncake", "memory", "deadline_s",
+                            "start_deadline_s"}
         if unknown:
-            raise InputError(f"{where}: unknown keys {sorted(unknown)}; "
-                             "valid: backend, file, mooncake, memory")
+            raise InputError(f"{where}: unknown keys {sorted(unknown)}; valid: backend, file, "
+                             "mooncake, memory, deadline_s, start_deadline_s")
+        timing = {k: d[k] for k in ("deadline_s", "start_deadline_s") if k in d}
         try:
             kind = BackendKind.parse(d.get("backend", BackendKind.FILE))
         except ValueError as e:
             raise InputError(f"{where}: {e}") from None
-        return cls(kind,
-                   file=_sub_config(FileStoreConfig, d.get("file"), f"{where}: file"),
-                   mooncake=_sub_config(MooncakeStoreConfig, d.get("mooncake"),
-                                        f"{where}: mooncake"),
-                   memory=_sub_config(MemoryStoreConfig, d.get("memory"), f"{where}: memory"))
+        parts = dict(file=_sub_config(FileStoreConfig, d.get("file"), f"{where}: file"),
+                     mooncake=_sub_config(MooncakeStoreConfig, d.get("mooncake"),
+                                          f"{where}: mooncake"),
+                     memory=_sub_config(MemoryStoreConfig, d.get("memory"), f"{where}: memory"))
+        try:
+            return cls(kind, **parts, **timing)
+        except ValueError as e:
+            raise InputError(f"{where}: {e}") from None
 
     @classmethod
     def from_json_file(cls, path: "str | os.PathLike[str]") -> "StorageConfig":
@@ -166,6 +180,9 @@ class StorageConfig:
             d = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise InputError(f"storage config {path} is not JSON: {e}") from None
+        except (ValueError, RecursionError):
+            raise InputError(f"storage config {path} is not JSON this tool reads (nested too "
+                             "deeply, or a number too long)") from None
         return cls.from_dict(d, where=str(path))
 
     @classmethod

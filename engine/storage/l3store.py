@@ -36,6 +36,14 @@ are read one page at a time, each object checksummed right after it is read.
 
 Corrupt or truncated objects are misses, counted and quarantined (taken out of the store). A
 layout mismatch is a miss with a warning; its bytes are never interpreted.
+
+Deadlines (``deadline_s`` > 0, what :meth:`L3Store.open` sets from the config): every operation
+runs through a :class:`engine.storage.guard.CallGuard`, so none blocks its caller past
+``deadline_s`` (plus the time its bytes take at a slow ``MIN_RATE``). A call that overruns is
+abandoned and the store is *degraded* (``stats()["degraded_reason"]``) until it returns;
+meanwhile every operation fails fast (a miss, a failed put). A get that may be abandoned must not
+land in pool pages the cache may reuse, so guarded gets read into the store's own staging rows
+and copy verified pages into the pool (one more copy per page than the unguarded zero-copy get).
 """
 
 from __future__ import annotations
@@ -50,10 +58,12 @@ import numpy as np
 import torch
 
 from engine.cache.pool import HostLayout, HostPool
+from engine.core.errors import StorageError
 from engine.core.hashing import PageHash
 from engine.core.layout import KVLayout
 from engine.storage.backend import Counters, GetStatus, StorageBackend, make_backend
 from engine.storage.config import StorageConfig
+from engine.storage.guard import CallGuard
 from engine.storage.keys import object_key
 from engine.storage.placement import KVOrder, Placement, Tile, span
 from formats.kvobject import CorruptKVObject, KVLayoutMismatch, KVObjectCodec
@@ -62,6 +72,8 @@ log = logging.getLogger("hicache.storage")
 
 EXISTS_BATCH = 256
 _WARN_KEEP = 1024
+MIN_RATE = 32 << 20     # bytes/s: a guarded call moving B bytes gets deadline_s + B / MIN_RATE
+HEALTH_DEADLINE_S = 1.0
 
 
 def _u8(t: torch.Tensor) -> np.ndarray:
@@ -97,8 +109,11 @@ class L3Store:
     def __init__(self, backend: StorageBackend, layout: KVLayout, *, model_tag: str = "",
                  placement: Placement | None = None, read_only: bool = False,
                  batch_pages: int = 32, batch_bytes: int = 8 << 20, zero_copy: bool = True,
-                 pipeline: bool | None = None, get_pipeline: bool | None = None):
+                 pipeline: bool | None = None, get_pipeline: bool | None = None,
+                 deadline_s: float = 0.0):
         self.backend = backend
+        self.guard = CallGuard(f"L3 store ({getattr(backend, 'kind', 'backend')})", deadline_s)
+        self.exists_deadline_s = deadline_s     # the server lowers it to the prefetch timeout
         self.layout = layout
         self.placement = placement or Placement()
         if self.placement.kv_order is not KVOrder.LAYER_FIRST:
@@ -141,9 +156,17 @@ class L3Store:
 
     @classmethod
     def open(cls, config: StorageConfig, layout: KVLayout, **kw: Any) -> "L3Store":
-        """Backend from config + store; raises StorageError when the backend cannot start,
-        ValueError when this shard cannot write the placement's objects."""
-        backend = make_backend(config)
+        """Backend from config + store; raises StorageError when the backend cannot start
+        (also when it does not start within the deadline: a master that accepts connections
+        but never answers), ValueError when this shard cannot write the placement's objects."""
+        kw.setdefault("deadline_s", config.deadline_s)
+        start = CallGuard("L3 store start", kw["deadline_s"] and
+                          max(kw["deadline_s"], config.start_deadline_s))
+        backend = start.run("starting the backend", make_backend, config, default=None)
+        start.close()
+        if backend is None:
+            raise StorageError(f"{config.backend.value} store: {start.reason}; "
+                               "L3 storage is off")
         try:
             return cls(backend, layout, **kw)
         except ValueError:
@@ -187,8 +210,11 @@ class L3Store:
             self.backend.register_memory(self._staging)
         return self._staging[slot, :part.payload_len]
 
-    def _direct(self, part: _Part) -> bool:
-        return self._pool_u8 is not None and part.contiguous
+    def _direct(self, part: _Part, reading: bool = False) -> bool:
+        """Whether ``part`` moves straight from / into pool memory. Guarded gets never do: an
+        abandoned get could land in pool pages after the cache reused them."""
+        return (self._pool_u8 is not None and part.contiguous
+                and not (reading and self.guard.enabled))
 
     def _pool_view(self, page: int, part: _Part) -> np.ndarray:
         at = int(page) * self.layout.page_bytes + part.offset
@@ -204,8 +230,45 @@ class L3Store:
     def _as_tile(self, row: np.ndarray, part: _Part) -> torch.Tensor:
         return torch.from_numpy(row).view(self.layout.torch_dtype).view(part.shape)
 
-    # -- queries -----------------------------------------------------------------------------
+    # -- guarded entry points ----------------------------------------------------------------
+    def _deadline(self, n_pages: int) -> float:
+        return self.guard.deadline_s + n_pages * self.page_object_bytes / MIN_RATE
+
+    @property
+    def degraded(self) -> bool:
+        return self.guard.degraded
+
     def exists_prefix(self, hashes: Sequence[PageHash]) -> int:
+        """How many leading pages are stored (0 while degraded or past the deadline)."""
+        return self.guard.run(f"exists of {len(hashes)} pages", self._exists_prefix, hashes,
+                              default=0, lane="query", deadline_s=self.exists_deadline_s)
+
+    def put_pages(self, hashes: Sequence[PageHash], host_pool: HostPool,
+                  host_pages: Sequence[int]) -> int:
+        """Store pages; returns how many of them are in the store afterwards (written now or
+        already there — objects already stored are skipped, not rewritten). 0 while degraded
+        or past the deadline."""
+        if len(hashes) != len(host_pages):
+            raise ValueError(f"{len(hashes)} hashes but {len(host_pages)} pages")
+        if self.read_only:
+            raise ValueError("this L3 store was opened read-only (its shard cuts the grid)")
+        return self.guard.run(f"put of {len(hashes)} pages", self._put_pages, hashes,
+                              host_pool, host_pages, default=0,
+                              deadline_s=self._deadline(len(hashes)))
+
+    def get_pages(self, hashes: Sequence[PageHash], host_pool: HostPool,
+                  host_pages: Sequence[int]) -> int:
+        """Load leading pages into ``host_pages``; returns how many were loaded and verified
+        (stops at the first page with a miss / corrupt object / mismatch; 0 while degraded or
+        past the deadline)."""
+        if len(hashes) != len(host_pages):
+            raise ValueError(f"{len(hashes)} hashes but {len(host_pages)} pages")
+        return self.guard.run(f"get of {len(hashes)} pages", self._get_pages, hashes,
+                              host_pool, host_pages, default=0,
+                              deadline_s=self._deadline(len(hashes)))
+
+    # -- queries -----------------------------------------------------------------------------
+    def _exists_prefix(self, hashes: Sequence[PageHash]) -> int:
         n, T = 0, self.n_parts
         step = max(1, EXISTS_BATCH // T)
         for s in range(0, len(hashes), step):
@@ -216,17 +279,10 @@ class L3Store:
                 n += 1
         return n
 
-    def put_pages(self, hashes: Sequence[PageHash], host_pool: HostPool,
-                  host_pages: Sequence[int]) -> int:
-        """Store pages; returns how many of them are in the store afterwards (written now or
-        already there — objects already stored are skipped, not rewritten).
-
-        Pipelined: while the backend moves one chunk (native code, GIL released), a helper
+    def _put_pages(self, hashes: Sequence[PageHash], host_pool: HostPool,
+                   host_pages: Sequence[int]) -> int:
+        """Pipelined: while the backend moves one chunk (native code, GIL released), a helper
         thread checksums and encodes the headers of the next one."""
-        if len(hashes) != len(host_pages):
-            raise ValueError(f"{len(hashes)} hashes but {len(host_pages)} pages")
-        if self.read_only:
-            raise ValueError("this L3 store was opened read-only (its shard cuts the grid)")
         T = self.n_parts
         with self._lock:
             self._bind(host_pool)
@@ -288,16 +344,12 @@ class L3Store:
             out.append([row, payload])
         return out
 
-    def get_pages(self, hashes: Sequence[PageHash], host_pool: HostPool,
-                  host_pages: Sequence[int]) -> int:
-        """Load leading pages into ``host_pages``; returns how many were loaded and verified
-        (stops at the first page with a miss / corrupt object / mismatch)."""
-        if len(hashes) != len(host_pages):
-            raise ValueError(f"{len(hashes)} hashes but {len(host_pages)} pages")
+    def _get_pages(self, hashes: Sequence[PageHash], host_pool: HostPool,
+                   host_pages: Sequence[int]) -> int:
         n_ok, T = 0, self.n_parts
         with self._lock:
             self._bind(host_pool)
-            direct = [self._direct(p) for p in self.parts]
+            direct = [self._direct(p, reading=True) for p in self.parts]
             io = self.io_batch
             # Pipelined (all zero copy, batches): the next batch is fetched in a helper thread
             # (native code, GIL released) while this one is verified.
@@ -351,7 +403,7 @@ class L3Store:
         for j, p in enumerate(ps):
             for t, part in enumerate(self.parts):
                 slot = base + j * self.n_parts + t
-                payloads.append(self._pool_view(p, part) if self._direct(part)
+                payloads.append(self._pool_view(p, part) if self._direct(part, reading=True)
                                 else self._staging_row(slot, part))
                 headers.append(self._headers[slot, :part.codec.header_len])
         results = self.backend.get(keys, [[h, pl] for h, pl in zip(headers, payloads)])
@@ -398,9 +450,26 @@ class L3Store:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        return {**self.counters.as_dict(), "backend": self.backend.health()}
+        """Counters, the guard's state (``degraded``, ``degraded_reason``) and the backend's
+        health (``{"healthy": False}`` while degraded: it is not asked then)."""
+        kind = getattr(getattr(self.backend, "kind", None), "value", "backend")
+        health = self.guard.run("health check", self.backend.health, lane="query",
+                                default={"backend": kind, "healthy": False},
+                                deadline_s=min(HEALTH_DEADLINE_S, self.guard.deadline_s))
+        return {**self.counters.as_dict(), **self.guard.state(), "backend": health}
 
     def close(self, close_backend: bool = True) -> None:
+        """Unregister the memory this store registered; close the backend unless told not to
+        (a backend shared by several stores). Bounded by the deadline: a store with a call
+        still stuck is left as it is (its threads are daemons)."""
+        if self.guard.degraded:
+            log.warning("L3 store closed while degraded (%s): backend left unclosed",
+                        self.guard.reason)
+        else:
+            self.guard.run("close", self._close, close_backend, default=None)
+        self.guard.close()
+
+    def _close(self, close_backend: bool = True) -> None:
         """Unregister the memory this store registered; close the backend unless told not to
         (a backend shared by several stores)."""
         with self._lock:

@@ -77,6 +77,9 @@ async def health(request: web.Request) -> web.Response:
     if not engine.scheduler.alive:
         return error_response(503, engine.scheduler.last_error or "scheduler not running",
                               "server_error")
+    reason = engine.storage_degraded()
+    if reason is not None:     # still serving (L3 calls fail fast), but say why it is slower
+        return web.json_response({"status": "degraded", "reason": f"L3 store: {reason}"})
     return web.json_response({"status": "ok"})
 
 

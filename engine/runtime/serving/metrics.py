@@ -114,6 +114,12 @@ def render(m: SchedulerMetrics, cache_stats: dict[str, Any], running: int, waiti
         fam = w.family("l3_bytes_total", "counter", "Bytes moved to and from L3.")
         w.sample(fam, l3.get("bytes_read", 0), {"direction": "read"})
         w.sample(fam, l3.get("bytes_written", 0), {"direction": "written"})
+        fam = w.family("l3_degraded", "gauge", "1 while an L3 store call is stuck past its "
+                       "deadline (L3 calls fail fast meanwhile); the reason label says which.")
+        w.sample(fam, 1 if l3.get("degraded") else 0,
+                 {"reason": str(l3.get("degraded_reason", ""))})
+        w.scalar("l3_abandoned_calls_total", "counter", "L3 store calls abandoned at their "
+                 "deadline.", l3.get("abandoned", 0))
         backend = l3.get("backend") or {}
         if isinstance(backend, dict):
             w.scalar("l3_backend_healthy", "gauge", "1 while the L3 backend answers.",

@@ -135,6 +135,7 @@ class Engine:
             os.makedirs(cfg.rank_log_dir, exist_ok=True)
         self.model_tag = model_tag(cfg.model, mc)
         self.l3_status = "off"
+        self.l3_store = None
         if cfg.hicache_storage_backend is not None or \
                 cfg.hicache_storage_backend_config is not None:
             self._attach_storage(cfg, layout)
@@ -197,6 +198,11 @@ class Engine:
             log.warning("L3 store (%s) unavailable, serving with L3 off: %s",
                         scfg.backend.value, exc)
             return
+        if cfg.hicache_storage_prefetch_policy == "timeout" and store.guard.enabled:
+            # existence queries run on the scheduler thread: never past the prefetch timeout
+            store.exists_deadline_s = min(store.guard.deadline_s,
+                                          max(cfg.hicache_storage_prefetch_timeout, 0.05))
+        self.l3_store = store
         self.cache.attach_l3(StoreTier(store, self.cache.l2),
                              prefetch_policy=cfg.hicache_storage_prefetch_policy,
                              prefetch_timeout=cfg.hicache_storage_prefetch_timeout)
@@ -217,6 +223,14 @@ class Engine:
         self.cache.close()
         if self._tmp_tokenizer and self.tokenizer_path:
             shutil.rmtree(self.tokenizer_path, ignore_errors=True)
+
+    def storage_degraded(self) -> str | None:
+        """Why the L3 store is degraded (a call stuck past its deadline), or None. Reads the
+        store's guard only: safe from any thread, never blocks."""
+        store = self.l3_store
+        if store is None or not store.degraded:
+            return None
+        return store.guard.reason or "a store call is stuck"
 
     def describe(self) -> dict[str, Any]:
         mc = self.model.cfg

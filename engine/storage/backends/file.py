@@ -19,6 +19,10 @@ Layout of the store directory::
   it rescans the directory under the lock and deletes the least recently used objects until the
   total is at most ``evict_to × size_limit_bytes``; the rescan also corrects drift from files
   removed by hand.
+* **Only regular files are read.** An object path is ``lstat``-ed before it is opened and only a
+  regular file is opened (``O_NOFOLLOW | O_NONBLOCK``, checked again with ``fstat``): a FIFO,
+  device, socket or symlink put in the store is a bad object (quarantined), never an ``open``
+  that blocks. The marker and the lock file are checked the same way.
 * **No escape.** Keys pass :func:`engine.storage.keys.check_key` (no separators, no dots first),
   so every path is ``<root>/objects/xx/<key>``.
 """
@@ -33,6 +37,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import struct
 import tempfile
 import threading
@@ -53,6 +58,29 @@ STALE_TMP_S = 15 * 60
 _USAGE = struct.Struct("<8sQQ")
 _USAGE_MAGIC = b"HCUSAGE1"
 _seq = itertools.count()
+_RDFLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+
+
+class NotRegular(OSError):
+    """A store path that is not a regular file (FIFO, device, socket, symlink)."""
+
+
+def open_regular(path: str, flags: int = _RDFLAGS, mode: int = 0o644) -> int:
+    """Open ``path`` only if it is a regular file: checked before the open (so a FIFO or a
+    device is never opened) and after it (the path may have been swapped in between)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        if not flags & os.O_CREAT:
+            raise
+    else:
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegular(errno.EINVAL, "not a regular file", path)
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NotRegular(errno.EINVAL, "not a regular file", path)
+    return fd
 
 
 def _writev_all(fd: int, views: list[memoryview]) -> None:
@@ -101,8 +129,8 @@ class FileBackend:
             for d in (self._objdir, self._tmpdir, self._qdir):
                 os.makedirs(d, exist_ok=True)
             self._check_marker()
-            self._lock_fd = os.open(os.path.join(self.root, "lock"),
-                                    os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self._lock_fd = open_regular(os.path.join(self.root, "lock"),
+                                         os.O_RDWR | os.O_CREAT)
         except OSError as e:
             raise StorageError(f"file store {self.config.dir or 'in a temp dir'} cannot be "
                                f"used: {e.strerror or e}") from None
@@ -126,8 +154,11 @@ class FileBackend:
     def _check_marker(self) -> None:
         path = os.path.join(self.root, "store.json")
         try:
-            with open(path, "rb") as f:
+            with os.fdopen(open_regular(path), "rb") as f:
                 raw = f.read(4097)
+        except NotRegular:
+            raise StorageError(f"{path} is not a regular file; refusing to use this "
+                               "directory") from None
         except FileNotFoundError:
             tmp = os.path.join(self._tmpdir, f"store.json.{os.getpid()}.{next(_seq)}")
             with open(tmp, "w") as f:
@@ -220,13 +251,17 @@ class FileBackend:
         return out
 
     def _get_one(self, path: str, views: list[memoryview]) -> int:
-        """One open, one ``preadv`` straight into the caller's parts, one ``futimens``."""
+        """One lstat, one open, one ``preadv`` straight into the caller's parts, one
+        ``futimens``. A path that is not a regular file is a bad object (never opened)."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = open_regular(path)
         except FileNotFoundError:
             self.counters.add("misses")
             return GetStatus.MISS
-        except OSError as e:
+        except (NotRegular, OSError) as e:
+            if isinstance(e, NotRegular) or e.errno == errno.ELOOP:   # a symlink (O_NOFOLLOW)
+                log.warning("file store: %s is not a regular file: a bad object", path)
+                return GetStatus.SIZE_MISMATCH
             self._error("open", path, e)
             return GetStatus.ERROR
         try:
@@ -326,7 +361,7 @@ class FileBackend:
             used, n = self._read_usage() or (0, 0)
             for p in paths:
                 try:
-                    size = os.stat(p).st_size
+                    size = os.lstat(p).st_size
                     os.unlink(p)
                 except FileNotFoundError:
                     continue
@@ -339,7 +374,7 @@ class FileBackend:
         dest = os.path.join(self._qdir, f"{key}.{time.time_ns()}")
         with self._locked():
             try:
-                size = os.stat(path).st_size
+                size = os.lstat(path).st_size
                 os.replace(path, dest)
             except FileNotFoundError:
                 return
