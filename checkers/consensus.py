@@ -33,6 +33,8 @@ from formats.ranklog_compare import MISSING, classify, compared_fields, differin
 DEFAULT_CHUNK = 8192
 DEFAULT_MAX_DIVERGENCES = 10
 DEFAULT_CONTEXT = 3
+MAX_LISTED_RANKS = 1024     # a finding lists at most this many ranks (the message has ranges)
+MAX_SHOWN_RANGES = 16
 
 
 # -- inputs --------------------------------------------------------------------------------------
@@ -297,6 +299,39 @@ def _ranks_text(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
+def missing_ranges(world: int, present: Sequence[int]) -> list[tuple[int, int]]:
+    """Ranks of ``range(world)`` not in ``present``, as inclusive ``(first, last)`` ranges.
+    Costs O(len(present)) whatever ``world`` says (a header is untrusted input)."""
+    out: list[tuple[int, int]] = []
+    nxt = 0
+    for r in sorted(set(present)):
+        if r > nxt:
+            out.append((nxt, r - 1))
+        nxt = max(nxt, r + 1)
+    if nxt < world:
+        out.append((nxt, world - 1))
+    return out
+
+
+def _ranges_text(ranges: Sequence[tuple[int, int]]) -> str:
+    n = sum(b - a + 1 for a, b in ranges)
+    parts = [str(a) if a == b else f"{a}-{b}" for a, b in ranges[:MAX_SHOWN_RANGES]]
+    if len(ranges) > MAX_SHOWN_RANGES:
+        parts.append(f"… {len(ranges) - MAX_SHOWN_RANGES:,} more ranges")
+    return ("rank " if n == 1 else "ranks ") + ", ".join(parts) + \
+        (f" ({n:,} ranks)" if n > 1 and len(ranges) < n else "")
+
+
+def _missing_ranks(ranges: Sequence[tuple[int, int]]) -> list[int]:
+    """The first :data:`MAX_LISTED_RANKS` missing ranks (never a list of a billion)."""
+    out: list[int] = []
+    for a, b in ranges:
+        out.extend(range(a, min(b + 1, a + MAX_LISTED_RANKS - len(out))))
+        if len(out) >= MAX_LISTED_RANKS:
+            break
+    return out
+
+
 def _values_text(ev: dict[str, Any] | None, fields: Sequence[str] | None) -> str:
     """``kind (field=value, ...)`` for ``fields`` (``None``: all but step)."""
     if ev is None:
@@ -475,11 +510,14 @@ def check_logs(logs: Sequence[RankLogFile], *, max_divergences: int = DEFAULT_MA
     notes: list[str] = []
     divergences: list[Divergence] = []
     world = logs[0].header["world_size"] if logs else 0
-    missing = sorted(set(range(world)) - {f.rank for f in logs})
-    if missing:
+    gaps = missing_ranges(world, [f.rank for f in logs])
+    if gaps:
+        n_missing = sum(b - a + 1 for a, b in gaps)
+        listed = _missing_ranks(gaps)
+        more = f"; the first {len(listed):,} are listed" if len(listed) < n_missing else ""
         divergences.append(Divergence(
-            MISSING, None, None, None, missing, sorted(f.rank for f in logs), {}, {},
-            f"no log for {_ranks_text(missing)} (world_size {world})"))
+            MISSING, None, None, None, listed, sorted(f.rank for f in logs), {}, {},
+            f"no log for {_ranges_text(gaps)} (world_size {world:,}{more})"))
     groups: dict[int, list[RankLogFile]] = {}
     for f in logs:
         groups.setdefault(f.header["dp_rank"], []).append(f)

@@ -402,6 +402,10 @@ class RankLogFile:
         end = offset + u.tell() - t0
         if fed > end:
             u.read_bytes(fed - end)   # drop what was fed past the record
+        if end - offset > MAX_RECORD_BYTES:   # the feed buffer does not enforce it exactly
+            self._single = None
+            raise self.error(offset, f"record larger than the {_size_text(MAX_RECORD_BYTES)} "
+                                     f"limit")
         return obj, end
 
     def _jsonl_at(self, offset: int) -> tuple[Any, int] | None:

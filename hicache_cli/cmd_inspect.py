@@ -17,6 +17,7 @@ import typer
 from hicache_cli.output import EXIT_CHECK, EXIT_USAGE, emit_json, fail, handle_errors, stdout
 
 BAR = 8
+DEFAULT_MAX_VIOLATIONS = 30
 _TIER_STYLE = {"L1": "green", "L2": "blue", "L3": "magenta"}
 _IDS = re.compile(r"^\s*[-+]?\d+(\s*,\s*[-+]?\d+)*\s*,?\s*$")
 
@@ -273,13 +274,17 @@ def render_diff(d: dict) -> None:
         _print("same      both snapshots hold the same pages in the same tiers")
 
 
-def render_check(problems: list[str], nodes: int) -> None:
-    if not problems:
+def render_check(r: dict, nodes: int) -> None:
+    problems, count = r["violations"], r["violation_count"]
+    if not count:
         _print(f"check     ok: {_pl(nodes, 'node')}, no invariant violated")
         return
-    _print(f"check     {len(problems)} violation{'' if len(problems) == 1 else 's'}")
+    _print(f"check     {count:,} violation{'' if count == 1 else 's'}")
     for p in problems:
         _print(f"  {p}")
+    if count > len(problems):
+        _print(f"  … {count - len(problems):,} more (shown: the first {len(problems)}; "
+               "raise --max-violations to see more)")
 
 
 # ------------------------------------------------------------------------------ DOT
@@ -356,6 +361,9 @@ def register(app: typer.Typer) -> None:
                                          "when the snapshots differ (ranks that must agree)."),
         check: bool = typer.Option(False, "--check", help="Run the invariant checker; exit 3 "
                                    "naming the violated invariant."),
+        max_violations: int = typer.Option(DEFAULT_MAX_VIOLATIONS, "--max-violations",
+                                           metavar="N", help="With --check: list at most N "
+                                           "violations (the total is always counted)."),
         fmt: InspectFormat = typer.Option(InspectFormat.human, "--format",
                                           help="human, json, or dot (Graphviz, tree view)."),
     ) -> None:
@@ -369,6 +377,8 @@ def register(app: typer.Typer) -> None:
 
         if depth < 0 or max_children < 1:
             fail("--depth must be >= 0 and --max-children >= 1", EXIT_USAGE)
+        if max_violations < 1:
+            fail(f"--max-violations must be >= 1, got {max_violations}", EXIT_USAGE)
         if hot is not None and hot < 1:
             fail(f"--hot must be >= 1, got {hot}", EXIT_USAGE)
         if expect_same and diff is None:
@@ -391,7 +401,7 @@ def register(app: typer.Typer) -> None:
             "prefix": lambda snap: sv.match(snap, prompt, namespace),
             "owners": sv.owners,
             "diff": lambda snap: sv.diff(snap, other),
-            "check": check_result,
+            "check": lambda snap: check_result(snap, max_violations),
         }
         results = [{"snapshot": sv.info(snap), **{v: compute[v](snap) for v in views}}
                    for snap in trees]
@@ -409,11 +419,13 @@ def register(app: typer.Typer) -> None:
                 for v in views:
                     _print()
                     RENDER[v](res[v], snap)
-        failed = [f"{snap.path}: {p}" for snap, res in zip(trees, results)
-                  for p in res.get("check", {}).get("violations", [])]
+        failed = [(snap.path, res["check"]) for snap, res in zip(trees, results)
+                  if res.get("check", {}).get("violation_count")]
         if failed:
-            more = f" (+{len(failed) - 1} more)" if len(failed) > 1 else ""
-            fail(f"invariant violated: {failed[0]}{more}", EXIT_CHECK)
+            total = sum(c["violation_count"] for _, c in failed)
+            more = f" (+{total - 1:,} more)" if total > 1 else ""
+            fail(f"invariant violated: {failed[0][0]}: {failed[0][1]['violations'][0]}{more}",
+                 EXIT_CHECK)
         differ = [snap.path for snap, res in zip(trees, results)
                   if "diff" in res and not res["diff"]["same"]]
         if expect_same and differ:
@@ -427,13 +439,15 @@ RENDER: dict[str, Callable[[Any, Any], None]] = {
     "prefix": lambda r, snap: render_prefix(r, snap.page_size),
     "owners": lambda r, snap: render_owners(r),
     "diff": lambda r, snap: render_diff(r),
-    "check": lambda r, snap: render_check(r["violations"], snap.num_nodes),
+    "check": lambda r, snap: render_check(r, snap.num_nodes),
 }
 
 
-def check_result(snap: Any) -> dict:
-    """The invariant checker on a loaded snapshot (``checkers.snapshot_checks``)."""
+def check_result(snap: Any, max_violations: int = DEFAULT_MAX_VIOLATIONS) -> dict:
+    """The invariant checker on a loaded snapshot (``checkers.snapshot_checks``): the first
+    ``max_violations`` messages and the total count."""
     from checkers.snapshot_checks import check_snapshot
 
     problems = check_snapshot(snap)
-    return {"ok": not problems, "violations": problems}
+    return {"ok": not problems, "violation_count": len(problems),
+            "violations": problems[:max_violations]}

@@ -238,6 +238,29 @@ def test_check_catches_a_planted_violation(tmp_path, monkeypatch, plant, invaria
     assert check["ok"] is False and any(invariant in v for v in check["violations"])
 
 
+def test_check_lists_at_most_max_violations_with_a_count(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    recs = small_records()
+    recs[5] = recs[5]._replace(l1=[7, 6])
+    recs[1] = recs[1]._replace(lock_ref=0)
+    recs[2] = recs[2]._replace(l1=[9])
+    write_small(tmp_path / "bad.snapshot", recs)
+    full = json.loads(run("bad.snapshot", "--check", "--format", "json").stdout)["check"]
+    total = full["violation_count"]
+    assert total >= 3 and len(full["violations"]) == total
+    res = run("bad.snapshot", "--check", "--max-violations", "1")
+    assert res.exit_code == 3
+    listed = [ln for ln in res.stdout.splitlines() if ln.startswith("  ")]
+    assert listed[0] == "  " + full["violations"][0]
+    assert listed[1].startswith(f"  … {total - 1} more (shown: the first 1")
+    assert len(listed) == 2 and f"check     {total} violations" in res.stdout
+    assert f"(+{total - 1} more)" in res.stderr
+    doc = json.loads(run("bad.snapshot", "--check", "--max-violations", "2", "--format",
+                         "json").stdout)["check"]
+    assert doc["violation_count"] == total and doc["violations"] == full["violations"][:2]
+    assert run("bad.snapshot", "--check", "--max-violations", "0").exit_code == 2
+
+
 def test_check_capacity_from_the_header(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     write_small(tmp_path / "c.snapshot", capacity={"l1": 16, "l2": 64})
@@ -280,7 +303,7 @@ def test_json_views_and_many_snapshots(snaps):
     assert (p["l1_len"], p["l2_len"], p["l3_len"], p["hit_tokens"]) == (8, 8, 4, 20)
     assert docs[0]["owners"]["owners"] == [{"rank": 0, "pages": 6, "L1": 4, "L2": 3},
                                            {"rank": 1, "pages": 5, "L1": 2, "L2": 3}]
-    assert docs[1]["check"] == {"ok": True, "violations": []}
+    assert docs[1]["check"] == {"ok": True, "violation_count": 0, "violations": []}
 
 
 DOT = """\
