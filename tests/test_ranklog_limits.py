@@ -76,3 +76,18 @@ def test_record_over_16_mib_is_refused(tmp_path, where):
     with pytest.raises(FormatError, match="record larger than the 16 MiB limit"):
         with RankLogFile(path) as f:
             list(f.events())
+
+
+def test_blank_lines_in_a_jsonl_log_are_skipped_and_counted_in_positions(tmp_path):
+    import json
+
+    from formats.ranklog import read_ranklog
+
+    p = tmp_path / "r0.jsonl"
+    head = json.dumps({**HEADER, "rank": 0, "world_size": 1})
+    body = "\n".join(json.dumps(e) for e in EV)
+    p.write_text(head + "\n" + "\n" * 200_000 + " \t\r\n" + body + "\n" + "\n" * 1000)
+    assert read_ranklog(p)[1] == EV
+    p.write_text(head + "\n" + "\n" * 1000 + '{"seq": 0}\n')
+    with pytest.raises(FormatError, match="line 1002: event has no 'step' field"):
+        read_ranklog(p)

@@ -72,6 +72,10 @@ def _parse(line: str, where: str) -> TraceRecord:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
         raise InputError(f"{where}: not JSON ({exc.msg})") from None
+    except RecursionError:
+        raise InputError(f"{where}: not a trace record (JSON nested too deeply)") from None
+    except ValueError as exc:       # e.g. an integer past Python's digit limit
+        raise InputError(f"{where}: not JSON this reader accepts ({str(exc)[:80]})") from None
     if not isinstance(obj, dict):
         raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     for key in ("timestamp", "input_length", "output_length", "hash_ids"):
@@ -108,6 +112,8 @@ def read_trace(path: str, limit: int | None = None) -> list[TraceRecord]:
             for lineno, line in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), ""), 1):
                 if len(line) > MAX_LINE_BYTES:
                     raise InputError(f"{name}:{lineno}: line longer than {MAX_LINE_BYTES} bytes")
+                if lineno > MAX_REQUESTS:    # blank lines count against the limit too
+                    break
                 if not line.strip():
                     continue
                 out.append(_parse(line, f"{name}:{lineno}"))
@@ -118,7 +124,8 @@ def read_trace(path: str, limit: int | None = None) -> list[TraceRecord]:
             raise
         raise InputError(f"{name}: cannot read trace ({exc})") from None
     if not out:
-        raise InputError(f"{name}: the trace holds no requests")
+        raise InputError(f"{name}: the trace holds no requests (in its first "
+                         f"{MAX_REQUESTS:,} lines)")
     return out
 
 

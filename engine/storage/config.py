@@ -17,13 +17,13 @@ A Mooncake config file in Mooncake's own format (top-level ``master_server_addre
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from typing import Any
 
 from engine.core.choices import Choice
 from engine.core.errors import InputError
+from formats import boundedjson
 
 MAX_CONFIG_BYTES = 1 << 20
 
@@ -177,12 +177,9 @@ class StorageConfig:
         if len(raw) > MAX_CONFIG_BYTES:
             raise InputError(f"storage config {path} is larger than {MAX_CONFIG_BYTES} bytes")
         try:
-            d = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise InputError(f"storage config {path} is not JSON: {e}") from None
-        except (ValueError, RecursionError):
-            raise InputError(f"storage config {path} is not JSON this tool reads (nested too "
-                             "deeply, or a number too long)") from None
+            d = boundedjson.loads(raw)
+        except boundedjson.JSONLimitError as e:
+            raise InputError(f"storage config {path} is not JSON this tool reads: {e}") from None
         return cls.from_dict(d, where=str(path))
 
     @classmethod

@@ -31,6 +31,7 @@ from engine.runtime.serving.protocol import (
     parse_generate,
 )
 from engine.runtime.serving.runtime import Engine
+from formats import boundedjson
 
 log = logging.getLogger("hicache.server")
 
@@ -60,14 +61,13 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
 
 
 async def _json_body(request: web.Request) -> Any:
+    """The body as JSON, bounded (:mod:`formats.boundedjson`: nesting depth, integer size,
+    finite numbers, valid Unicode): anything else is a 400 ``invalid_request_error``."""
     raw = await request.read()
     try:
-        return json.loads(raw)
-    except UnicodeDecodeError:
-        raise InputError("the request body is not UTF-8") from None
-    except json.JSONDecodeError as exc:
-        raise InputError(f"malformed JSON: {exc.msg} at line {exc.lineno} column "
-                         f"{exc.colno}") from None
+        return boundedjson.loads(raw)
+    except boundedjson.JSONLimitError as exc:
+        raise InputError(f"malformed JSON body: {exc}") from None
 
 
 async def _sse(request: web.Request) -> web.StreamResponse:
