@@ -70,7 +70,7 @@ def test_fifo_object_is_never_opened_and_is_quarantined(tmp_path):
     src, dst = pool(), pool(fill=False)
     hs = chain(4)
     assert store.put_pages(hs, src, [0, 1, 2, 3]) == 4
-    path = store.backend.object_path(store.keys(hs)[2])
+    path = store.backend.object_path(store.keys(hs[2:3])[0])   # an object of page 2
     os.unlink(path)
     os.mkfifo(path)                          # opening it for reading would block forever
     n = bounded(lambda: store.get_pages(hs, dst, [4, 5, 6, 7]))
