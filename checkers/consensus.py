@@ -29,6 +29,7 @@ from engine.core.errors import InputError
 from formats.errors import FormatError
 from formats.ranklog import SUFFIXES, Encoding, RankLogFile, Run, event_problem
 from formats.ranklog_compare import MISSING, classify, compared_fields, differing_fields
+from formats.ranklog_events import event_fields_problem
 
 DEFAULT_CHUNK = 8192
 DEFAULT_MAX_DIVERGENCES = 10
@@ -431,6 +432,12 @@ class _GroupCheck:
                                "after": s.after(self.context + 1)[1:] if ev is not None else []}
         message = self._message(category, active, status, peeked, compared, majority, minority,
                                 diff, seq)
+        # an event that does not fit its kind (formats.ranklog_events) is named: it is often
+        # the cause (a writer that lost or renamed a field) rather than a different decision
+        misfits = [f"rank {s.rank}: {p}" for s, r in zip(active, peeked)
+                   if r is not None and (p := event_fields_problem(r[0])) is not None]
+        if misfits:
+            message += " (malformed: " + "; ".join(misfits) + ")"
         div = Divergence(category, self.dp_rank, step, seq, minority, sorted(majority), fields,
                          context, message)
         for s in active:

@@ -4,7 +4,8 @@ Two encodings of the same records: a stream of msgpack maps (``*.ranklog``, nati
 engine writes) and JSON Lines (``*.jsonl``, for hand-written cases). The first record is the
 header ``{"format": "hicache-ranklog", "version": 1, "rank", "world_size", "dp_rank", "tp_rank",
 "tp_size", "pp_rank", "pp_size", "cp_rank", "cp_size"}``; every later record is one event
-``{"seq", "step", "kind", ...}``. Fields named ``local_*`` are rank-local and never compared.
+``{"seq", "step", "kind", ...}`` (kinds and their fields: :mod:`formats.ranklog_events`). Fields
+named ``local_*`` are rank-local and never compared.
 
 Writing is :mod:`formats.ranklog_writer` (:func:`write_ranklog`, :class:`RankLogWriter`). This
 module reads logs with size limits (:class:`RankLogFile`: single records, fast runs of records, plain iteration). The
@@ -30,6 +31,7 @@ from typing import Any, Iterator
 import msgpack
 
 from formats.errors import FormatError
+from formats.ranklog_events import KIND, LOCAL_PREFIX, SEQ, STEP, event_fields_problem
 
 FORMAT_NAME = "hicache-ranklog"
 VERSION = 1
@@ -37,7 +39,6 @@ SUPPORTED_VERSIONS = (1,)
 MSGPACK_SUFFIX = ".ranklog"
 JSONL_SUFFIX = ".jsonl"
 SUFFIXES = (MSGPACK_SUFFIX, JSONL_SUFFIX)
-LOCAL_PREFIX = "local_"
 
 # Parallel coordinates of a rank and their defaults (rank 0 of size 1).
 PARALLEL_DEFAULTS: dict[str, int] = {
@@ -150,9 +151,9 @@ def event_problem(obj: Any) -> str | None:
     """Why ``obj`` is not a v1 event record, or ``None`` when it is one."""
     if type(obj) is not dict:
         return f"record is {_a(obj)}, not an event map"
-    if "format" in obj and "seq" not in obj:
+    if "format" in obj and SEQ not in obj:
         return "a second header in the middle of the log (two logs concatenated?)"
-    for key, typ in (("seq", int), ("step", int), ("kind", str)):
+    for key, typ in ((SEQ, int), (STEP, int), (KIND, str)):
         if key not in obj:
             return f"event has no {key!r} field"
         v = obj[key]
@@ -516,20 +517,29 @@ class RankLogFile:
             self.raise_first_bad(offset)
         return run, end  # type: ignore[return-value]
 
-    def events(self, chunk: int = 4096) -> Iterator[dict[str, Any]]:
-        """Every event, validated, as recorded (a plain streaming reader)."""
+    def events(self, chunk: int = 4096, strict: bool = False) -> Iterator[dict[str, Any]]:
+        """Every event, validated, as recorded (a plain streaming reader). ``strict`` also
+        checks each event of a known kind against its fields (formats.ranklog_events)."""
         offset = self.body_offset
         while True:
             run, end = self.read_run(offset, chunk)
             for i in range(len(run)):
-                yield run.full(i)
+                ev = run.full(i)
+                if strict:
+                    problem = event_fields_problem(ev)
+                    if problem is not None:
+                        at = self.record_ends(offset, i)[-1] if i else offset
+                        raise self.error(at, problem)
+                yield ev
             if len(run) < chunk:
                 return
             offset = end
 
 
-def read_ranklog(path: str | os.PathLike) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Header and all events of a (small) rank log; large logs: use :class:`RankLogFile`."""
+def read_ranklog(path: str | os.PathLike, strict: bool = False
+                 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Header and all events of a (small) rank log; large logs: use :class:`RankLogFile`.
+    ``strict``: events of known kinds must have exactly their kind's fields."""
     with RankLogFile(path) as f:
         f.require_supported()
-        return f.header, list(f.events())
+        return f.header, list(f.events(strict=strict))

@@ -9,34 +9,28 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from formats.ranklog import is_local
-
-# -- divergence categories (v1) ------------------------------------------------------------------
-HIT_LENGTH = "hit_length_mismatch"
-RESTORE_COMPLETION = "restore_completion_mismatch"
-LOCK_ORDER = "lock_order_mismatch"
-EVICTION = "eviction_eligibility_divergence"
-PP_ACK = "pp_ack_consumption_mismatch"
-MISSING = "missing_events"
-EVENT = "event_mismatch"
-CATEGORIES = (HIT_LENGTH, RESTORE_COMPLETION, LOCK_ORDER, EVICTION, PP_ACK, MISSING, EVENT)
-
-# kind -> (category, the fields whose difference puts two same-kind events in that category)
-KIND_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "match": (HIT_LENGTH, ("l1_len", "l2_len", "l3_len")),
-    "restore_done": (RESTORE_COMPLETION, ("op", "step")),
-    "backup_done": (RESTORE_COMPLETION, ("op", "step")),
-    "lock": (LOCK_ORDER, ("rid", "node")),
-    "unlock": (LOCK_ORDER, ("rid", "node")),
-    "evict": (EVICTION, ("tier", "eligible", "evicted")),
-    "pp_ack": (PP_ACK, ("queue", "consumed", "acks")),
-}
-# Ranks recorded events of different kinds at the same place: the first family involved wins.
-MIXED_KIND_ORDER: tuple[tuple[str, frozenset[str]], ...] = (
-    (RESTORE_COMPLETION, frozenset({"restore_done", "backup_done"})),
-    (PP_ACK, frozenset({"pp_ack"})),
-    (LOCK_ORDER, frozenset({"lock", "unlock"})),
-    (EVICTION, frozenset({"evict"})),
+from formats.ranklog_events import (  # noqa: F401 (the categories are re-exported)
+    CATEGORIES,
+    EVENT,
+    EVICTION,
+    HIT_LENGTH,
+    KINDS,
+    LOCK_ORDER,
+    MISSING,
+    PP_ACK_CATEGORY,
+    RESTORE_COMPLETION,
+    family,
 )
+
+PP_ACK = PP_ACK_CATEGORY
+
+# kind -> (category, the fields whose difference puts two same-kind events in that category),
+# read off the kinds table (formats.ranklog_events)
+KIND_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
+    k.name: (k.category, k.deciding) for k in KINDS.values() if k.category is not None}
+# Ranks recorded events of different kinds at the same place: the first family involved wins.
+MIXED_KIND_ORDER: tuple[tuple[str, frozenset[str]], ...] = tuple(
+    (c, family(c)) for c in (RESTORE_COMPLETION, PP_ACK_CATEGORY, LOCK_ORDER, EVICTION))
 
 
 def compared_fields(event: Mapping[str, Any]) -> dict[str, Any]:

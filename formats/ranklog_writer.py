@@ -13,6 +13,7 @@ from typing import Any, Iterable, Mapping
 import msgpack
 
 from formats.ranklog import Encoding, RankLogError, encoding_for, parse_header
+from formats.ranklog_events import event_fields_problem
 
 
 def _plain(o: Any) -> Any:
@@ -41,11 +42,13 @@ class RankLogWriter:
     """Streams one rank's log to ``path`` (``.ranklog``: msgpack, ``.jsonl``: JSON Lines).
 
     The file appears under its final name only on :meth:`close` (written to ``path + ".tmp"``
-    and renamed), so a reader never sees a half-written log from a clean run.
+    and renamed), so a reader never sees a half-written log from a clean run. ``strict``: every
+    event of a known kind must have exactly its kind's fields (``ValueError`` otherwise).
     """
 
-    def __init__(self, path: str | os.PathLike, header: Mapping[str, Any]):
+    def __init__(self, path: str | os.PathLike, header: Mapping[str, Any], strict: bool = False):
         self.path = os.fspath(path)
+        self.strict = strict
         self.encoding = encoding_for(self.path)
         try:
             parse_header(dict(header), self.path, None)
@@ -63,9 +66,13 @@ class RankLogWriter:
         self._fh.write(self._encode(dict(header)))
 
     def write(self, event: Mapping[str, Any]) -> None:
+        if self.strict:
+            _check(event)
         self._fh.write(self._encode(event))
 
     def write_many(self, events: Iterable[Mapping[str, Any]]) -> None:
+        if self.strict:
+            events = map(_check, events)
         self._fh.writelines(map(self._encode, events))
 
     def close(self) -> None:
@@ -91,10 +98,17 @@ class RankLogWriter:
             self.abort()
 
 
+def _check(event: Mapping[str, Any]) -> Mapping[str, Any]:
+    problem = event_fields_problem(event)
+    if problem is not None:
+        raise ValueError(f"event seq {event.get('seq')}: {problem}")
+    return event
+
+
 def write_ranklog(path: str | os.PathLike, header: Mapping[str, Any],
-                  events: Iterable[Mapping[str, Any]]) -> None:
+                  events: Iterable[Mapping[str, Any]], strict: bool = False) -> None:
     """Write a whole rank log: ``header`` then ``events`` (encoding from the suffix)."""
-    with RankLogWriter(path, header) as w:
+    with RankLogWriter(path, header, strict=strict) as w:
         w.write_many(events)
 
 

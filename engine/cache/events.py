@@ -117,4 +117,4 @@ class EventLog:
         """Write header + kept events as a rank log (``*.ranklog`` msgpack or ``*.jsonl``)."""
         from formats.ranklog_writer import write_ranklog  # formats is below engine
 
-        write_ranklog(path, self.rank.header(), self._events)
+        write_ranklog(path, self.rank.header(), self._events, strict=self.strict)

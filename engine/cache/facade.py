@@ -388,23 +388,22 @@ class HiCache:
         ``limits`` (queue name → count) consumes exactly that many, waiting for local
         completion if needed — the PP stage protocol (docs/engine-api.md): every stage of a
         pipeline commits the same ops in the same step. Each queue named in ``limits`` records
-        one ``pp_ack`` event (the count consumed and the op ids) after its ``*_done`` events.
+        one ``pp_ack`` event (the count consumed and the op ids) before its ``*_done`` events.
         """
         if limits is None and self.l3 is None and not any(self._inflight.values()):
             return {}
         out = {}
         for kind, q in self._inflight.items():
             if limits is not None and kind.value in limits:
-                want = limits[kind.value]
-                acks: list[int] = []
-                while len(acks) < want:
-                    assert q, f"asked to consume {want} {kind.value} ACKs, {len(acks)} in flight"
+                n = int(limits[kind.value])
+                assert 0 <= n <= len(q), (f"asked to consume {n} {kind.value} ACKs, "
+                                          f"{len(q)} in flight")
+                # the agreed decision first, then its consequences (the *_done commits)
+                self.events.emit(EV.PP_ACK, queue=kind.value, consumed=n,
+                                 acks=[q[i].op_id for i in range(n)])
+                for _ in range(n):
                     q[0].wait()
-                    op = q.popleft()
-                    self._complete(op)
-                    acks.append(op.op_id)
-                n = len(acks)
-                self.events.emit(EV.PP_ACK, queue=kind.value, consumed=n, acks=acks)
+                    self._complete(q.popleft())
             else:
                 n = 0
                 while q and q[0].done():
