@@ -188,3 +188,167 @@ def test_completions_return_cached_tokens_details(server):
         "return_cached_tokens_details": True})
     ext = [e for e in chat if "sglext" in e]
     assert len(ext) == 1 and ext[0]["choices"][0]["finish_reason"] is not None
+
+
+# -- (e) logprobs --------------------------------------------------------------------------
+def _greedy_ids(server, ids, n):
+    return post(server, "/generate", {"input_ids": ids, "sampling_params": {
+        "max_new_tokens": n, "temperature": 0, "ignore_eos": True}}).json()["output_ids"]
+
+
+def test_generate_logprobs_in_sglang_shape(server):
+    ids = [256] + list(range(40, 90))
+    body = {"input_ids": ids, "return_logprob": True, "top_logprobs_num": 3,
+            "logprob_start_len": 0, "return_text_in_logprobs": True,
+            "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}
+    m = post(server, "/generate", body).json()["meta_info"]
+    out = m["output_token_logprobs"]
+    assert [e[1] for e in out] == _greedy_ids(server, ids, 5)
+    for (lp, tid, _), top in zip(out, m["output_top_logprobs"]):
+        assert lp <= 0 and len(top) == 3
+        assert top[0][1] == tid and top[0][0] == pytest.approx(lp)   # greedy: the top token
+        assert top[0][0] >= top[1][0] >= top[2][0]
+    inp = m["input_token_logprobs"]
+    assert [e[1] for e in inp] == ids and inp[0][0] is None
+    assert all(e[0] <= 0 for e in inp[1:]) and m["input_top_logprobs"][0] is None
+    # The prompt is now cached; asking again still computes every prompt logprob, the same.
+    again = post(server, "/generate", body).json()["meta_info"]
+    assert [e[1] for e in again["input_token_logprobs"]] == ids
+    assert [e[0] for e in again["input_token_logprobs"][1:]] == \
+        pytest.approx([e[0] for e in inp[1:]], abs=1e-5)
+    # logprob_start_len: only from there on; default: none
+    part = post(server, "/generate", {**body, "logprob_start_len": 30}).json()["meta_info"]
+    assert [e[1] for e in part["input_token_logprobs"]] == ids[30:]
+    plain = post(server, "/generate", {**body, "logprob_start_len": -1}).json()["meta_info"]
+    assert plain["input_token_logprobs"] == [] and len(plain["output_token_logprobs"]) == 5
+
+
+def test_completions_logprobs_and_echo_in_openai_shape(server, client):
+    r = client.completions.create(model="tiny", prompt="logprob me", max_tokens=4,
+                                  temperature=0, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(x <= 0 for x in lp.token_logprobs) and all(len(t) <= 2 for t in lp.top_logprobs)
+    assert lp.text_offset[0] == 0
+    e = client.completions.create(model="tiny", prompt="logprob me", max_tokens=4,
+                                  temperature=0, logprobs=1, echo=True,
+                                  extra_body={"ignore_eos": True})
+    c = e.choices[0]
+    assert c.text == "logprob me" + r.choices[0].text
+    n_prompt = len(ByteTokenizer().encode("logprob me"))
+    assert len(c.logprobs.tokens) == n_prompt + 4
+    assert c.logprobs.token_logprobs[0] is None and c.logprobs.token_logprobs[1] <= 0
+    assert c.logprobs.token_logprobs[n_prompt:] == pytest.approx(lp.token_logprobs, abs=1e-5)
+    # streaming echo: the prompt comes first
+    chunks = list(client.completions.create(model="tiny", prompt="logprob me", max_tokens=4,
+                                            temperature=0, echo=True, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(ch.choices[0].text for ch in chunks) == c.text
+    assert chunks[0].choices[0].text.startswith("logprob me")
+
+
+def test_chat_logprobs(server, client):
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user",
+                                                                "content": "hi"}],
+                                       max_tokens=3, temperature=0, logprobs=True,
+                                       top_logprobs=2, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 3 and all(t.logprob <= 0 and len(t.top_logprobs) == 2
+                                     for t in content)
+    assert content[0].top_logprobs[0].logprob == pytest.approx(content[0].logprob)
+
+
+# -- (f) stop strings, n, batches, penalties -----------------------------------------------
+def test_stop_strings_cut_the_output_and_report_the_match(server, client):
+    ids = [256] + list(range(60, 100))
+    full = post(server, "/generate", {"input_ids": ids, "sampling_params": {
+        "max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}).json()
+    text = full["text"]
+    # a stop string of two printable ASCII characters from the middle of the output
+    at = next(i for i in range(2, len(text) - 1)
+              if all(" " <= ch <= "~" for ch in text[i:i + 2]))
+    stop = text[at:at + 2]
+    cut = text[:text.index(stop)]
+    r = post(server, "/generate", {"input_ids": ids, "sampling_params": {
+        "max_new_tokens": 24, "temperature": 0, "ignore_eos": True,
+        "stop": [stop, "never-seen-stop"]}}).json()
+    assert r["text"] == cut
+    assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert r["meta_info"]["completion_tokens"] < 24
+    # the same through OpenAI completions, streaming and not
+    prompt_ids = ids
+    c = client.completions.create(model="tiny", prompt=prompt_ids, max_tokens=24,
+                                  temperature=0, stop=stop, extra_body={"ignore_eos": True})
+    assert c.choices[0].text == cut and c.choices[0].finish_reason == "stop"
+    assert c.choices[0].model_extra["matched_stop"] == stop
+    chunks = list(client.completions.create(model="tiny", prompt=prompt_ids, max_tokens=24,
+                                            temperature=0, stop=[stop], stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(ch.choices[0].text for ch in chunks) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    # a stop token id reports the id
+    tid = full["output_ids"][3]
+    r = post(server, "/generate", {"input_ids": ids, "sampling_params": {
+        "max_new_tokens": 24, "temperature": 0, "ignore_eos": True,
+        "stop_token_ids": [tid]}}).json()
+    assert r["output_ids"] == full["output_ids"][:full["output_ids"].index(tid) + 1]
+    assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": tid}
+
+
+def test_n_choices_and_batched_generate(server, client):
+    c = client.completions.create(model="tiny", prompt=["first prompt", "second one"], n=3,
+                                  max_tokens=4, temperature=1.0, seed=7,
+                                  extra_body={"ignore_eos": True})
+    assert [ch.index for ch in c.choices] == list(range(6))
+    tok = ByteTokenizer()
+    assert c.usage.prompt_tokens == len(tok.encode("first prompt")) + \
+        len(tok.encode("second one"))
+    assert c.usage.completion_tokens == 6 * 4
+    texts = [ch.text for ch in c.choices[:3]]
+    assert len(set(texts)) > 1                     # distinct draws from one seed
+    g = client.chat.completions.create(model="tiny", messages=[{"role": "user",
+                                                                "content": "x"}],
+                                       n=2, max_tokens=3, temperature=0)
+    assert len(g.choices) == 2 and g.choices[0].message.content == g.choices[1].message.content
+    # /generate with a batch of texts and of id lists
+    b = post(server, "/generate", {"text": ["alpha", "beta"], "sampling_params": {
+        "max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}).json()
+    assert isinstance(b, list) and [x["index"] for x in b] == [0, 1]
+    one = post(server, "/generate", {"text": "beta", "sampling_params": {
+        "max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}).json()
+    assert b[1]["output_ids"] == one["output_ids"]
+    ids = post(server, "/generate", {"input_ids": [[256, 1, 2], [256, 3, 4, 5]],
+                                     "sampling_params": {"max_new_tokens": 2}}).json()
+    assert [x["meta_info"]["prompt_tokens"] for x in ids] == [3, 4]
+    events = sse(server, "/generate", {"text": ["alpha", "beta"], "stream": True,
+                                       "sampling_params": {"max_new_tokens": 3,
+                                                           "temperature": 0,
+                                                           "ignore_eos": True}})
+    last = {e["index"]: e for e in events}
+    assert last[1]["output_ids"] == one["output_ids"]
+
+
+def test_penalties_change_greedy_output_and_count_only_the_output(server):
+    ids = [256] + [65, 66] * 30
+    base = {"input_ids": ids, "sampling_params": {"max_new_tokens": 24, "temperature": 0,
+                                                  "ignore_eos": True}}
+    plain = post(server, "/generate", base).json()["output_ids"]
+    sp = {**base["sampling_params"], "frequency_penalty": 2.0, "presence_penalty": 2.0}
+    pen = post(server, "/generate", {**base, "sampling_params": sp}).json()["output_ids"]
+    # With strong penalties the output repeats itself less.
+    assert len(set(pen)) >= len(set(plain))
+    assert pen != plain or len(set(plain)) == len(plain)
+    rep = post(server, "/generate", {**base, "sampling_params": {
+        **base["sampling_params"], "repetition_penalty": 5.0}}).json()["output_ids"]
+    assert len(rep) == 24
+    # min_new_tokens holds EOS back
+    r = post(server, "/generate", {"input_ids": ids, "sampling_params": {
+        "max_new_tokens": 6, "min_new_tokens": 6, "temperature": 0,
+        "stop_token_ids": plain[:3]}}).json()
+    assert len(r["output_ids"]) == 6
+
+
+def test_weight_version_and_matched_stop_on_eos(server):
+    r = post(server, "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2}})
+    assert r.json()["meta_info"]["weight_version"] == "default"

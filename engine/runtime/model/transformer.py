@@ -37,13 +37,15 @@ class Chunk:
 
     ``tokens`` sit at positions ``start .. start + len(tokens) - 1``; ``pages`` are the
     request's L1 page ids covering positions ``0 .. start + len(tokens) - 1`` (at least).
-    ``logits``: whether the caller wants the next-token logits after the last token.
+    ``logits``: whether the caller wants the next-token logits after the last token;
+    ``all_logits``: after every token instead (``len(tokens)`` rows: prompt logprobs).
     """
 
     tokens: Sequence[int] | np.ndarray
     start: int
     pages: np.ndarray
     logits: bool = True
+    all_logits: bool = False
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -79,7 +81,8 @@ class Model:
     @torch.inference_mode()
     def forward(self, chunks: Sequence[Chunk], kv: torch.Tensor, page_size: int,
                 layer_hooks: Iterable[LayerHook] = ()) -> torch.Tensor:
-        """Run ``chunks``; returns float32 logits ``[n, vocab]`` for the chunks with ``logits``.
+        """Run ``chunks``; returns float32 logits ``[n, vocab]``: one row per chunk with
+        ``logits``, ``len(chunk)`` rows per chunk with ``all_logits``, in chunk order.
 
         ``kv`` is the L1 buffer ``[layers, kv_kinds, slots, kv_heads, head_dim]``
         (``cache.l1.buf``). New K/V is written into it.
@@ -133,7 +136,8 @@ class Model:
             g, u = gu.split(cfg.intermediate, dim=-1)
             x = x + ops.linear(torch.nn.functional.silu(g) * u, lw.w_down, self.exact)
 
-        want = [b[1] - 1 for c, b in zip(chunks, bounds) if c.logits]
+        want = [i for c, b in zip(chunks, bounds)
+                for i in (range(b[0], b[1]) if c.all_logits else [b[1] - 1] if c.logits else [])]
         if not want:
             return torch.empty((0, cfg.vocab_size), dtype=torch.float32)
         last = x[torch.as_tensor(want, device=dev)]

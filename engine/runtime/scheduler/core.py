@@ -45,7 +45,7 @@ class _Req:
     __slots__ = ("rid", "ids", "sampling", "namespace", "priority", "cb", "t_arrival",
                  "t_admit", "t_first", "phase", "receipt", "load", "pages", "n_prefix_pages",
                  "kv_len", "out", "cached_device", "cached_host", "cached_storage", "gen",
-                 "aborted", "hashes", "lp_pending")
+                 "aborted", "hashes", "lp_pending", "input_lp")
 
     def __init__(self, rid: str, ids: np.ndarray, sampling: SamplingParams,
                  namespace: str | None, priority: int, cb: Callback | None):
@@ -66,6 +66,7 @@ class _Req:
         self.aborted = False
         self.hashes: list = []                      # L3 page hashes of the matched prefix
         self.lp_pending: tuple | None = None        # logprob of the token about to be emitted
+        self.input_lp: list | None = None           # prompt logprobs, sent with the first output
 
     @property
     def prompt_len(self) -> int:
@@ -322,7 +323,8 @@ class Scheduler:
         n = min(budget, r.prompt_len - r.kv_len)
         last = r.kv_len + n == r.prompt_len
         chunks.append(Chunk(r.ids[r.kv_len:r.kv_len + n], r.kv_len, r.pages,
-                            logits=last and r.sampling.max_new_tokens > 0))
+                            logits=last and r.sampling.max_new_tokens > 0,
+                            all_logits=r.sampling.input_logprobs_from is not None))
         reqs.append(r)
         return n
 
@@ -332,7 +334,7 @@ class Scheduler:
         logits. The page table covers every position that will hold KV (:meth:`_Req.kv_needed`).
         """
         p = self.page_size
-        matched = r.ids[:r.prompt_len - 1]
+        matched = r.ids[:_match_len(r)]
         extra = -(-r.kv_needed() // p) - (-(-len(matched) // p))
         a = self.cache.admit(matched, r.namespace, rid=r.rid, priority=r.priority,
                              extra_pages=extra, reuse=not self.config.disable_radix_cache)
@@ -354,8 +356,12 @@ class Scheduler:
         logits = self.model.forward(chunks, self.cache.l1.buf, self.page_size, hooks)
         self.metrics.forward_seconds += time.perf_counter() - t0
         now = time.perf_counter()
-        li = 0
+        row = 0
         for c, r in zip(chunks, reqs):
+            n_rows = len(c) if c.all_logits else int(c.logits)
+            rows, row = logits[row:row + n_rows], row + n_rows
+            if c.all_logits:
+                self._input_logprobs(r, c, rows)
             r.load = None                  # every layer hook has returned: the prefix is in L1
             prefill = r.phase is _Phase.PREFILL
             r.kv_len += len(c)
@@ -369,13 +375,11 @@ class Scheduler:
                     self._finish(r, FinishReason.LENGTH)
                     continue
             try:
-                tok = self._sample(logits[li], r)
+                tok = self._sample(rows[-1], r)
             except Exception as exc:  # one request's sampling never fails its batch
                 log.exception("sampling failed for request %s", r.rid)
-                li += 1
                 self._finish(r, FinishReason.ERROR, error=f"sampling failed: {exc}")
                 continue
-            li += 1
             r.out.append(tok)
             if math.isnan(r.t_first):
                 r.t_first = now
@@ -391,6 +395,25 @@ class Scheduler:
                 self._emit(r, RequestOutput(r.rid, [tok], meta=meta))
             else:
                 self._finish(r, reason, last_token=tok)
+
+    def _input_logprobs(self, r: _Req, c: Chunk, rows: torch.Tensor) -> None:
+        """Prompt logprobs from a chunk's rows: row k predicts position ``c.start + k + 1``."""
+        start = min(r.sampling.input_logprobs_from or 0, r.prompt_len - 1)
+        if r.input_lp is None:
+            r.input_lp = []
+            if start == 0:                 # nothing predicts the first token
+                r.input_lp.append((int(r.ids[0]), None, []))
+        top = r.sampling.top_logprobs
+        lp = torch.log_softmax(rows.float(), dim=-1)
+        for k in range(len(c)):
+            p = c.start + k + 1
+            if start <= p < r.prompt_len and p >= max(start, 1):
+                t = int(r.ids[p])
+                alts: list[tuple[int, float]] = []
+                if top > 0:
+                    v, i = torch.topk(lp[k], min(top, lp.shape[-1]))
+                    alts = [(int(a), float(b)) for a, b in zip(i.tolist(), v.tolist())]
+                r.input_lp.append((t, float(lp[k, t]), alts))
 
     def _adjust(self, logits: torch.Tensor, r: _Req) -> torch.Tensor:
         """The logits sampling sees: banned specials, penalties, EOS held back before
@@ -519,6 +542,8 @@ class Scheduler:
         if r.lp_pending is not None and out.new_token_ids:
             out.logprobs = [r.lp_pending]
             r.lp_pending = None
+        if r.input_lp is not None and r.kv_len >= r.prompt_len:
+            out.input_logprobs, r.input_lp = r.input_lp, None
         if r.cb is None:
             return
         try:
@@ -534,6 +559,15 @@ class Scheduler:
                 self._finish(r, FinishReason.ERROR, error=msg)
             except Exception:  # noqa: BLE001
                 log.exception("could not release %s", r.rid)
+
+
+def _match_len(r: _Req) -> int:
+    """Prompt tokens the prefix match may cover: all but the last (it yields the first
+    output's logits), and none past the first position whose logprob was asked for."""
+    n = r.prompt_len - 1
+    if r.sampling.input_logprobs_from is not None:
+        n = min(n, max(r.sampling.input_logprobs_from - 1, 0))
+    return n
 
 
 def token_logprobs(logits: torch.Tensor, tok: int, top: int

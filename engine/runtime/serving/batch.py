@@ -56,6 +56,7 @@ class Sub:
         default_factory=list)
     input_logprobs: list | None = None
     stopped_early: bool = False
+    raw: str = ""                      # all decoded text; ``text`` is what may be shown
 
     @property
     def prompt_len(self) -> int:
@@ -78,40 +79,45 @@ class Sub:
             d = [self.stream.push(t) for t in out.new_token_ids]
             if out.finished:
                 d.append(self.stream.flush())
-        self.delta = "".join(d)
+        old = len(self.raw)
+        self.raw += "".join(d)
         if out.meta is not None:
             self.meta = out.meta
         self.ids.extend(self.new_ids)
         self.logprobs.extend(self.new_logprobs)
-        if self.stop and self.delta:
-            self._match_stop()
-        self.text += self.delta
+        end = len(self.raw)
+        if self.stop:
+            end = self._match_stop(old, out.finished)
+        self.delta = self.raw[len(self.text):end]
+        self.text = self.raw[:end]
         if out.finished and not self.stopped_early:
             self.reason = out.finish_reason.value if out.finish_reason else "error"
             self.error = out.error
             if self.reason == "stop" and self.ids:
                 self.matched_stop = self.ids[-1]
 
-    def _match_stop(self) -> None:
-        longest = max(len(s) for s in self.stop)
-        # The stop string may start in text already sent: search the tail plus the delta.
-        tail = self.text[-(longest - 1):] if longest > 1 else ""
-        window = tail + self.delta
-        best: tuple[int, str] | None = None
-        for s in self.stop:
-            at = window.find(s)
-            if at >= 0 and (best is None or at < best[0]):
-                best = (at, s)
-        if best is None:
-            return
-        at, s = best
-        keep = at - len(tail)           # characters of the delta before the stop string
-        if keep < 0:                    # (cannot happen: the tail held no whole stop string)
-            keep = 0
-        self.delta = self.delta[:keep]
-        self.stopped_early = True
-        self.reason = "stop"
-        self.matched_stop = s
+    def _match_stop(self, old: int, finished: bool) -> int:
+        """How much of ``raw`` may be shown: up to a stop string (then the request ends),
+        else all but a tail that could still grow into one (shown once it cannot)."""
+        longest = max(len(x) for x in self.stop)
+        lo = max(0, old - longest + 1)     # a match may start in text decoded earlier
+        best = -1
+        for x in self.stop:
+            at = self.raw.find(x, lo)
+            if at >= 0 and (best < 0 or at < best):
+                best, self.matched_stop = at, x
+        if best >= 0:
+            self.stopped_early = True
+            self.reason = "stop"
+            return best
+        self.matched_stop = None
+        if finished:
+            return len(self.raw)
+        for k in range(min(longest - 1, len(self.raw)), 0, -1):
+            tail = self.raw[-k:]
+            if any(x.startswith(tail) for x in self.stop):
+                return len(self.raw) - k
+        return len(self.raw)
 
 
 class Batch:

@@ -233,14 +233,19 @@ def parse_generate(body: Any, tok: Tokenizer | None) -> ParsedRequest:
     if not 0 <= top <= MAX_TOP_LOGPROBS:
         raise InputError(f"field 'top_logprobs_num' must be in [0, {MAX_TOP_LOGPROBS}]")
     rid = body.get("rid")
+    sampling = _sampling(sp, w, "max_new_tokens", 128, 1.0)
+    start = _field(body, "logprob_start_len", "int", -1)
+    if _field(body, "return_logprob", "bool", False):
+        sampling = dataclasses.replace(sampling, logprobs=True, top_logprobs=top,
+                                       input_logprobs_from=start if start >= 0 else None)
     return ParsedRequest(
-        prompts=prompts, sampling=_sampling(sp, w, "max_new_tokens", 128, 1.0),
+        prompts=prompts, sampling=sampling,
         stream=_field(body, "stream", "bool", False),
         rid=rid if isinstance(rid, str) and rid else None, namespace=_namespace(body),
         priority=_priority(body), n=n, batched=batched or n > 1, stop=_stop_strings(sp, w),
         return_logprob=_field(body, "return_logprob", "bool", False),
         top_logprobs_num=top,
-        logprob_start_len=_field(body, "logprob_start_len", "int", -1),
+        logprob_start_len=start,
         text_in_logprobs=_field(body, "return_text_in_logprobs", "bool", False),
         stream_interval=max(1, _field(sp, "stream_interval", "int", 1, w)),
         cached_details=True)
@@ -292,8 +297,12 @@ def parse_completions(body: Any, tok: Tokenizer | None) -> ParsedRequest:
     lp = _field(body, "logprobs", "int", None)
     if lp is not None and not 0 <= lp <= MAX_TOP_LOGPROBS:
         raise InputError(f"field 'logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {lp}")
-    return ParsedRequest(prompts=prompts, sampling=_sampling(body, "", "max_tokens", 16, 1.0),
-                         echo=_field(body, "echo", "bool", False), logprobs=lp, **common)
+    echo = _field(body, "echo", "bool", False)
+    sampling = _sampling(body, "", "max_tokens", 16, 1.0)
+    if lp is not None:
+        sampling = dataclasses.replace(sampling, logprobs=True, top_logprobs=lp,
+                                       input_logprobs_from=0 if echo else None)
+    return ParsedRequest(prompts=prompts, sampling=sampling, echo=echo, logprobs=lp, **common)
 
 
 # -- POST /v1/chat/completions -------------------------------------------------------------
@@ -322,10 +331,11 @@ def parse_chat(body: Any, tok: Tokenizer | None) -> ParsedRequest:
     top = _field(body, "top_logprobs", "int", 0)
     if not 0 <= top <= MAX_TOP_LOGPROBS:
         raise InputError(f"field 'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
-    return ParsedRequest(
-        prompts=[ids],
-        sampling=_sampling(body, "", ("max_completion_tokens", "max_tokens"), 128, 1.0),
-        logprobs=top if want_lp else None, **_openai_common(body))
+    sampling = _sampling(body, "", ("max_completion_tokens", "max_tokens"), 128, 1.0)
+    if want_lp:
+        sampling = dataclasses.replace(sampling, logprobs=True, top_logprobs=top)
+    return ParsedRequest(prompts=[ids], sampling=sampling, logprobs=top if want_lp else None,
+                         **_openai_common(body))
 
 
 # -- responses -----------------------------------------------------------------------------
