@@ -44,8 +44,16 @@ class PageAllocator:
     def can_alloc(self, n: int) -> bool:
         return n <= self._n_free
 
-    def alloc(self, n: int) -> np.ndarray:
-        """Take ``n`` free pages. Raises :class:`OutOfCapacity` (callers evict first)."""
+    def shortfall(self, n: int, like=None) -> int:
+        """Pages missing for ``alloc(n, like)`` (0: it fits now)."""
+        return max(0, n - self._n_free)
+
+    def alloc(self, n: int, like=None) -> np.ndarray:
+        """Take ``n`` free pages. Raises :class:`OutOfCapacity` (callers evict first).
+
+        ``like``: pages of another tier the new ones stand for (a restore's source, a backup's
+        source). A plain pool ignores it; an allocator with placement classes (CP owner ranks,
+        ``engine.parallel.cp``) returns pages of the same classes."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
         if n > self._n_free:

@@ -238,14 +238,14 @@ class HiCache:
                 fresh.append(node)
         need = sum(len(n.tokens) for n in fresh) // self.page_size
         if need:
+            src = np.concatenate([n.l2 for n in fresh])
             try:
-                new_pages = self.alloc(need)
+                new_pages = self.alloc(need, like=src)
             except OutOfCapacity:
                 # No room even after eviction: nothing is loaded, the caller recomputes.
                 self.counters["loadback_no_room"] += 1
                 m.load = LoadHandle([])
                 return m.load
-            src = np.concatenate([n.l2 for n in fresh])
             op = self.transfers.new_op(OpKind.LOAD, self.l2, src, self.l1, new_pages,
                                        self.num_layers, payload=list(fresh))
             off = 0
@@ -270,11 +270,17 @@ class HiCache:
         return m.load
 
     # ------------------------------------------------------------------ L1 allocation
-    def alloc(self, n_pages: int) -> np.ndarray:
-        short = n_pages - self.l1_alloc.free_pages
-        if short > 0:
-            self.evict_l1(short)
-        return self.l1_alloc.alloc(n_pages)
+    def alloc(self, n_pages: int, like: np.ndarray | None = None) -> np.ndarray:
+        """``n_pages`` L1 pages, evicting first if needed; ``like``: see ``PageAllocator.alloc``."""
+        short = self.l1_alloc.shortfall(n_pages, like)
+        while short > 0 and self.evict_l1(short):
+            short = self.l1_alloc.shortfall(n_pages, like)
+        return self.l1_alloc.alloc(n_pages, like)
+
+    def alloc_for(self, m: MatchResult, n_pages: int) -> np.ndarray:
+        """L1 pages that extend the prefix ``m`` matched (a CP wrapper continues its owner
+        rotation here; a single rank needs no more than :meth:`alloc`)."""
+        return self.alloc(n_pages)
 
     def free(self, pages: np.ndarray) -> None:
         self.l1_alloc.free(pages)
@@ -358,14 +364,14 @@ class HiCache:
         """Issue L1->L2 copies for ``nodes`` (all L1-resident, not in L2). False if no room."""
         p = self.page_size
         need = sum(len(n.tokens) for n in nodes) // p
-        short = need - self.l2_alloc.free_pages
-        if short > 0:
-            self.evict_l2(short)
-            if need > self.l2_alloc.free_pages:
-                self.counters["backup_no_room"] += 1
-                return False
-        dst = self.l2_alloc.alloc(need)
         src = np.concatenate([n.l1 for n in nodes])
+        short = self.l2_alloc.shortfall(need, src)
+        while short > 0 and self.evict_l2(short):
+            short = self.l2_alloc.shortfall(need, src)
+        if short > 0:
+            self.counters["backup_no_room"] += 1
+            return False
+        dst = self.l2_alloc.alloc(need, like=src)
         op = self.transfers.new_op(OpKind.BACKUP, self.l1, src, self.l2, dst, self.num_layers,
                                    payload=list(nodes))
         off = 0

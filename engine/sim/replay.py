@@ -20,6 +20,7 @@ from engine.cache.policy import Belady, next_occurrence
 from engine.core.errors import InputError, OutOfCapacity
 
 TRACE_BLOCK = 512
+CP_KV = ("sharded", "replicated")
 
 
 def trace_tokens(hash_ids: Sequence[int], input_length: int) -> np.ndarray:
@@ -43,6 +44,8 @@ class ReplayConfig:
     write_policy: str = "write_through"
     limit: int | None = None
     events: bool = True
+    cp_size: int = 1            # context-parallel ranks the tier budgets are per-rank for
+    cp_kv: str = "sharded"      # with cp_size > 1: sharded | replicated (docs/parallelism.md)
 
 
 @dataclasses.dataclass
@@ -108,6 +111,29 @@ def _opt_policy(requests: list[np.ndarray], page_size: int, clock: list[int]) ->
     return Belady(next_use)
 
 
+def _make_cache(cfg: ReplayConfig, events: EventLog, policy) -> HiCache:
+    """The cache stack a replay drives. With ``cp_size`` N > 1 the tier budgets are per rank:
+    ``sharded`` wraps the facade in :class:`~engine.parallel.cp_cache.CPCache` (each page on one
+    owner rank: N x the device and host pages); ``replicated`` keeps every device page on every
+    rank (device capacity = one rank's budget) over a host pool deduplicated across the ranks
+    (N x the host budget) — the baseline of docs/parallelism.md §1."""
+    from engine.parallel.cp_cache import CPCache
+
+    n = cfg.cp_size
+    if n < 1 or cfg.cp_kv not in CP_KV:
+        raise ValueError(f"cp_size must be >= 1 and cp_kv one of {CP_KV}, got "
+                         f"{n}, {cfg.cp_kv!r}")
+    replicated = n > 1 and cfg.cp_kv == "replicated"
+    if n > 1 and not replicated and cfg.l3_tokens:
+        raise ValueError("an L3 tier with CP-sharded KV is not simulated (drop --l3-tokens)")
+    cache_cfg = CacheConfig(page_size=cfg.page_size, l1_tokens=cfg.l1_tokens,
+                            l2_tokens=cfg.l2_tokens * n if replicated else cfg.l2_tokens,
+                            eviction_policy="lru" if cfg.policy == "opt" else cfg.policy,
+                            write_policy=cfg.write_policy, layout=None, events=cfg.events)
+    cache = HiCache(cache_cfg, events=events, policy=policy)
+    return CPCache(cache, n) if n > 1 and not replicated else cache
+
+
 def replay(records: Iterable, cfg: ReplayConfig, *,
            events: EventLog | None = None,
            progress: Callable[[int], None] | None = None,
@@ -135,12 +161,9 @@ def replay(records: Iterable, cfg: ReplayConfig, *,
     p = cfg.page_size
     clock = [0]
     policy = _opt_policy(requests, p, clock) if cfg.policy == "opt" else None
-    cache_cfg = CacheConfig(page_size=p, l1_tokens=cfg.l1_tokens, l2_tokens=cfg.l2_tokens,
-                            eviction_policy="lru" if cfg.policy == "opt" else cfg.policy,
-                            write_policy=cfg.write_policy, layout=None, events=cfg.events)
     if events is None:
         events = EventLog(enabled=cfg.events)
-    cache = HiCache(cache_cfg, events=events, policy=policy)
+    cache = _make_cache(cfg, events, policy)
     if cfg.l3_tokens:
         from engine.cache.l3 import SimulatedTier
 
@@ -160,7 +183,7 @@ def replay(records: Iterable, cfg: ReplayConfig, *,
         n_full = len(toks) // p
         have = len(m.l1_pages)
         try:
-            new = cache.alloc(n_full - have) if n_full > have else empty
+            new = cache.alloc_for(m, n_full - have) if n_full > have else empty
             pages = np.concatenate([m.l1_pages, new]) if have else new
             cache.insert(toks[:n_full * p], pages, rid=i, prefix_hashes=m.hashes,
                          after=receipt)

@@ -48,8 +48,12 @@ def _rank_main(rank: int, run: RankRun, port: int, out: Any) -> None:
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=run.world_size)
-        info = RankInfo(rank=rank, world_size=run.world_size, tp_rank=rank,
-                        tp_size=run.world_size)
+        if run.config.cp_size > 1:     # the ranks are the CP group: one logical tree each
+            info = RankInfo(rank=rank, world_size=run.world_size, cp_rank=rank,
+                            cp_size=run.world_size)
+        else:
+            info = RankInfo(rank=rank, world_size=run.world_size, tp_rank=rank,
+                            tp_size=run.world_size)
         log = EventLog(info, keep=run.rank_log_dir is not None)
         if run.inject:
             install(log, run.inject)

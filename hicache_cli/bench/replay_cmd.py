@@ -57,6 +57,19 @@ def _check_output_path(name: str, path: Optional[Path], directory: bool = False)
         fail(f"{name} {path}: directory {parent} is not writable")
 
 
+def _check_cp(cp: int, cp_kv: str, l3_tokens: int, sweep: bool) -> None:
+    from engine.sim.replay import CP_KV
+
+    _positive("--cp", cp, allow_zero=False)
+    if cp_kv not in CP_KV:
+        fail(f"--cp-kv must be one of {list(CP_KV)}, got {cp_kv!r}", code=2)
+    if cp > 1 and sweep:
+        fail("--cp does not combine with --sweep", code=2)
+    if cp > 1 and cp_kv == "sharded" and l3_tokens:
+        fail("--cp with --cp-kv sharded does not simulate an L3 tier (drop --l3-tokens)",
+             code=2)
+
+
 def _replay(records, cfg, **kwargs):
     """``engine.sim.replay.replay``; tier sizes too large for this machine's memory are one line."""
     from engine.sim.replay import replay
@@ -113,6 +126,11 @@ def register(bench_app: typer.Typer) -> None:
             "online and stop at the first divergence (logs go to --rank-log-dir)."),
         consensus_every: int = typer.Option(16, "--consensus-every", help="Compare every N "
                                             "requests (online consensus)."),
+        cp: int = typer.Option(1, "--cp", help="Context-parallel ranks of the replica; "
+                               "--l1-tokens/--l2-tokens are then per-rank budgets."),
+        cp_kv: str = typer.Option("sharded", "--cp-kv", help="With --cp N: 'sharded' (each KV "
+                                  "page on one owner rank) or 'replicated' (device KV on every "
+                                  "rank, host pool deduplicated across ranks)."),
         no_events: bool = typer.Option(False, "--no-events", help="Do not record cache "
                                        "decision events (to measure their overhead)."),
         fmt: OutputFormat = typer.Option(OutputFormat.human, "--format", help="human or json."),
@@ -138,6 +156,7 @@ def register(bench_app: typer.Typer) -> None:
         if policy not in policy_names(include_offline=True):
             fail(f"--policy must be one of {policy_names(include_offline=True)}, got {policy!r}",
                  code=2)
+        _check_cp(cp, cp_kv, l3_tokens, sweep)
         if plot is not None and not sweep:
             fail("--plot needs --sweep", code=2)
         if l1_tokens < page_size:
@@ -151,9 +170,13 @@ def register(bench_app: typer.Typer) -> None:
             _positive("--consensus-every", consensus_every, allow_zero=False)
             if sweep:
                 fail("--ranks does not combine with --sweep", code=2)
+            if cp > 1 and ranks != cp:
+                fail(f"with --cp {cp}, --ranks stands for the CP ranks: give --ranks {cp}",
+                     code=2)
             _multi_rank(trace, ranks, ReplayConfig(
                 page_size=page_size, l1_tokens=l1_tokens, l2_tokens=l2_tokens,
-                l3_tokens=l3_tokens, policy=policy, write_policy=write_policy, limit=limit),
+                l3_tokens=l3_tokens, policy=policy, write_policy=write_policy, limit=limit,
+                cp_size=cp, cp_kv=cp_kv),
                 rank_log_dir, consensus_every if enable_rank_consensus else 0,
                 inject_divergence, fmt, dump_tree)
             return
@@ -197,7 +220,7 @@ def register(bench_app: typer.Typer) -> None:
 
         cfg = ReplayConfig(page_size=page_size, l1_tokens=l1_tokens, l2_tokens=l2_tokens,
                            l3_tokens=l3_tokens, policy=policy, write_policy=write_policy, limit=limit,
-                           events=not no_events)
+                           events=not no_events, cp_size=cp, cp_kv=cp_kv)
         n = len(records) if limit is None else min(limit, len(records))
         from engine.cache.events import EventLog, RankInfo
         from engine.parallel.divergence import install
@@ -205,7 +228,7 @@ def register(bench_app: typer.Typer) -> None:
         if not 0 <= rank < world_size:
             fail(f"--rank must be in [0, --world-size), got rank {rank} of {world_size}", code=2)
         events = EventLog(RankInfo(rank=rank, world_size=world_size, tp_rank=rank,
-                                   tp_size=world_size),
+                                   tp_size=world_size, cp_size=cp),
                           enabled=not no_events, keep=rank_log_dir is not None)
         if inject_divergence:
             install(events, inject_divergence)
@@ -312,6 +335,8 @@ def _print_result(d: dict) -> None:
     t.add_row("page size", str(c["page_size"]))
     l3 = {0: "off", -1: "unbounded"}.get(c["l3_tokens"], f"{c['l3_tokens']:,}")
     t.add_row("L1 / L2 / L3 capacity (tokens)", f"{c['l1_tokens']:,} / {c['l2_tokens']:,} / {l3}")
+    if c.get("cp_size", 1) > 1:
+        t.add_row("CP ranks / KV", f"{c['cp_size']} / {c['cp_kv']} (capacities per rank)")
     t.add_row("policy / write policy", f"{c['policy']} / {c['write_policy']}")
     t.add_row("token hit rate", f"{d['token_hit_rate']:.4f}")
     t.add_row("  L1 hit rate", f"{d['l1_hit_rate']:.4f}")

@@ -1,0 +1,169 @@
+"""The cache facade of a CP group: one logical tree, KV pages sharded by owner rank.
+
+:class:`CPCache` wraps a :class:`~engine.cache.facade.HiCache` (it never changes the facade's
+decisions) and adds what page sharding needs (docs/parallelism.md §1):
+
+* the facade's L1 and L2 allocators become :class:`~engine.parallel.cp.OwnerAllocator`\\ s of
+  ``N x`` the per-rank budget, so a page id says which rank holds it; restores and backups ask
+  for pages *like* their source, so ownership survives every tier move;
+* :meth:`alloc_for` continues the owner rotation of the matched prefix (A, B, C owned 0, 1, 0
+  ⇒ D goes to 1); a prompt with no cached prefix starts where most pages are free;
+* :meth:`insert` records each new segment's rotation in ``node.cp_owner`` and never joins a
+  segment to a prefix whose rotation it does not continue: pages past the first break are not
+  cached (a ``cp_cut`` event), so every cached path keeps one rotation and each rank owns
+  ``floor(n/N)`` or ``ceil(n/N)`` of any ``n``-page prefix.
+
+Every CP rank runs the same wrapper over the same logical state and so makes the same choices;
+each then moves only the pages it owns (:meth:`OwnerAllocator.local_rows`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from engine.cache.facade import HiCache
+from engine.cache.radix_tree import Node
+from engine.cache.types import LockReceipt, MatchResult, as_tokens
+from engine.parallel.cp import CPShape, OwnerAllocator
+
+
+class CPCache:
+    """A CP group's view of one :class:`HiCache` (metadata only for now)."""
+
+    def __init__(self, cache: HiCache, cp_size: int):
+        assert cache.tree.num_nodes == 0, "wrap an empty cache"
+        assert cache.l1 is None, "CP sharding of KV bytes lives in the runtime, not here"
+        self.cache = cache
+        self.shape = CPShape(cp_size, cache.page_size)
+        cfg = cache.config
+        # The configured tier sizes are per-rank budgets: the logical pools are N times larger.
+        cache.l1_alloc = OwnerAllocator(self.shape, cfg.l1_pages, "L1", strict=False)
+        if cache.l2_alloc is not None:
+            cache.l2_alloc = OwnerAllocator(self.shape, cfg.l2_pages, "L2", strict=False)
+        self.cut_pages = 0
+        self.cuts = 0
+
+    def __getattr__(self, name: str) -> Any:
+        # match, lock, unlock, load_back, poll, flush, wait_all, close, tree, events, ...
+        return getattr(self.cache, name)
+
+    # ------------------------------------------------------------------ rotation
+    def path_start_owner(self, path: Sequence[Node]) -> int | None:
+        """Owner of the first page of a (rotation-consistent) path, or None for an empty path."""
+        if not path:
+            return None
+        return int(path[0].cp_owner) % self.shape.size
+
+    def alloc_for(self, m: MatchResult, n_pages: int) -> np.ndarray:
+        """L1 pages for pages ``len(m.l1_pages) …`` of ``m``'s prompt, continuing its rotation."""
+        cache = self.cache
+        alloc: OwnerAllocator = cache.l1_alloc
+        start = self.path_start_owner(m.path)
+        have = len(m.l1_pages)
+        if start is None:
+            assert have == 0
+            start = alloc.fresh_owner()
+        first = self.shape.next_owner(start, have)
+        short = alloc.shortfall(n_pages, first_owner=first)
+        while short > 0 and cache.evict_l1(short):
+            short = alloc.shortfall(n_pages, first_owner=first)
+        pages = alloc.alloc_rotation(n_pages, first)
+        cache.events.emit("cp_alloc", rid=m.rid, first_owner=first, pages=int(n_pages))
+        return pages
+
+    # ------------------------------------------------------------------ insert
+    def insert(self, tokens, pages: np.ndarray, namespace: str | None = None, rid: Any = None,
+               priority: int = 0, prefix_hashes: Sequence = (),
+               after: LockReceipt | None = None) -> Node | None:
+        """:meth:`HiCache.insert`, cut at the first page whose owner breaks the rotation of
+        the path it would join (those pages go back to the allocator)."""
+        cache, p, n = self.cache, self.cache.page_size, self.shape.size
+        toks = as_tokens(tokens)
+        n_full = len(toks) // p
+        pages = np.asarray(pages, dtype=np.int64)
+        if len(pages) != n_full:
+            raise ValueError(f"insert needs {n_full} pages for {len(toks)} tokens, "
+                             f"got {len(pages)}")
+        cut = self._first_break(toks[:n_full * p], pages, namespace, after)
+        if cut < n_full:
+            self.cuts += 1
+            self.cut_pages += n_full - cut
+            cache.events.emit("cp_cut", rid=rid, at_page=int(cut), pages=int(n_full - cut))
+            cache.l1_alloc.free(pages[cut:])
+            toks, pages = toks[:cut * p], pages[:cut]
+        if cut == 0:
+            return after.node if after is not None else None
+        last = cache.insert(toks, pages, namespace=namespace, rid=rid, priority=priority,
+                            prefix_hashes=prefix_hashes, after=after)
+        if last is not None and last.cp_owner is None:     # the segment this insert added
+            last.cp_owner = int(last.l1[0]) % n
+        return last
+
+    def _first_break(self, toks: np.ndarray, pages: np.ndarray, namespace: str | None,
+                     after: LockReceipt | None) -> int:
+        """Index of the first page the tree could not take without breaking a rotation."""
+        p, n = self.cache.page_size, self.shape.size
+        start = after.node if after is not None and after.node is not None else None
+        path, pos = self.cache.tree.walk(toks, namespace, split=False, start=start)
+        owners = pages % n
+        off = k = 0
+        for node in path:
+            k = min(len(node.tokens), pos - off * p) // p    # the last edge may match partly
+            if node.l1 is None:          # the insert would adopt our pages: same owners?
+                want = self.shape.rotation(int(node.cp_owner), k)
+                bad = np.flatnonzero(owners[off:off + k] != want)
+                if bad.size:
+                    return off + int(bad[0])
+            off += k
+        if off < len(pages):
+            # a new segment: below path[-1] (split after its k-th page) it must continue the
+            # rotation; under the root it starts anywhere but must be one rotation
+            first = self.shape.next_owner(int(path[-1].cp_owner), k) if path \
+                else int(owners[off])
+            bad = np.flatnonzero(owners[off:] != self.shape.rotation(first, len(pages) - off))
+            if bad.size:
+                return off + int(bad[0])
+        return len(pages)
+
+    # ------------------------------------------------------------------ checking
+    def check_rotations(self) -> list[str]:
+        """Problems with ownership: a node without an owner, a page on the wrong rank, a child
+        that does not continue its parent's rotation. Empty when all is well."""
+        n, p = self.shape.size, self.cache.page_size
+        out = []
+        for node in self.cache.tree.iter_nodes():
+            if node.cp_owner is None:
+                out.append(f"node {node.id}: no owner recorded")
+                continue
+            k = len(node.tokens) // p
+            want = self.shape.rotation(int(node.cp_owner), k)
+            for tier in ("l1", "l2"):
+                pages = getattr(node, tier)
+                if pages is not None and not np.array_equal(pages % n, want):
+                    out.append(f"node {node.id}: {tier.upper()} pages owned by "
+                               f"{(pages % n).tolist()}, rotation says {want.tolist()}")
+            par = node.parent
+            if par.parent is not None and par.cp_owner is not None and \
+                    self.shape.next_owner(int(par.cp_owner), len(par.tokens) // p) \
+                    != int(node.cp_owner) % n:
+                out.append(f"node {node.id}: starts at owner {int(node.cp_owner) % n}, its "
+                           f"parent {par.id} continues at "
+                           f"{self.shape.next_owner(int(par.cp_owner), len(par.tokens) // p)}")
+        return out
+
+    # ------------------------------------------------------------------ reporting
+    def stats(self) -> dict[str, Any]:
+        out = self.cache.stats()
+        l1: OwnerAllocator = self.cache.l1_alloc
+        p = self.cache.page_size
+        out["cp"] = {
+            "cp_size": self.shape.size,
+            "l1_used_tokens_per_rank": (l1.used_per_rank() * p).tolist(),
+            "l2_used_tokens_per_rank": (self.cache.l2_alloc.used_per_rank() * p).tolist()
+            if self.cache.l2_alloc is not None else None,
+            "rotation_cuts": self.cuts,
+            "rotation_cut_pages": self.cut_pages,
+        }
+        return out
