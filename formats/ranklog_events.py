@@ -91,9 +91,16 @@ PP_ACK = EventKind("pp_ack", ("queue", "consumed", "acks"),
                    doc="a pipeline stage consumes the agreed number of completed operations of "
                        "a queue (\"load\"/\"backup\"): acks are their op ids")
 FLUSH = EventKind("flush", (), doc="every unlocked page of every tier was dropped")
+CP_ALLOC = EventKind("cp_alloc", ("rid", "first_owner", "pages"),
+                     doc="CP: pages extending a request's prefix are allocated, the first on "
+                         "rank first_owner (then round the ranks)")
+CP_CUT = EventKind("cp_cut", ("rid", "at_page", "pages"),
+                   doc="CP: a request's pages from at_page on would break the owner rotation "
+                       "of the path they join; they are not cached")
 
 KINDS: dict[str, EventKind] = {k.name: k for k in (
-    MATCH, LOCK, UNLOCK, INSERT, RESTORE, RESTORE_DONE, BACKUP, BACKUP_DONE, EVICT, PP_ACK, FLUSH)}
+    MATCH, LOCK, UNLOCK, INSERT, RESTORE, RESTORE_DONE, BACKUP, BACKUP_DONE, EVICT, PP_ACK, FLUSH,
+    CP_ALLOC, CP_CUT)}
 
 
 def kind_of(name: Any) -> EventKind | None:

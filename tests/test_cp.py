@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from checkers.invariants import check_cache
-from engine.cache.facade import CacheConfig, HiCache
+from engine.cache.facade import CacheConfig
 from engine.core.errors import OutOfCapacity
 from engine.parallel.cp import CPShape, OwnerAllocator
 from engine.parallel.cp_cache import CPCache
@@ -21,7 +21,7 @@ def make_cp(n: int = 2, l1_pages: int = 8, l2_pages: int = 0, **kw) -> CPCache:
     """A CP group of ``n`` ranks, each with ``l1_pages``/``l2_pages`` pages (metadata only)."""
     cfg = CacheConfig(page_size=P, l1_tokens=l1_pages * P, l2_tokens=l2_pages * P, layout=None,
                       **kw)
-    return CPCache(HiCache(cfg), n)
+    return CPCache(cfg, n)
 
 
 def pages_of(*names: int) -> np.ndarray:

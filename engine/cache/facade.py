@@ -46,7 +46,10 @@ class HiCache:
     """The cache stack of one rank (see the module docstring and docs/engine-api.md)."""
 
     def __init__(self, config: CacheConfig, events: EventLog | None = None,
-                 policy: EvictionPolicy | None = None):
+                 policy: EvictionPolicy | None = None, allocator=None):
+        """``allocator(name, num_pages, page_size)``: builds the page allocators of a
+        metadata-only cache (default :class:`PageAllocator`; a CP group passes owner-aware
+        ones, ``engine.parallel.cp``)."""
         self.config = config
         self.page_size = p = config.page_size
         self.write_policy = WritePolicy.parse(config.write_policy)
@@ -66,9 +69,10 @@ class HiCache:
         else:
             self.l1 = None
             self.l2 = None
-            self.l1_alloc = PageAllocator(config.l1_pages, p, name="L1", strict=False)
-            self.l2_alloc = (PageAllocator(config.l2_pages, p, name="L2", strict=False)
-                             if config.l2_pages else None)
+            make = allocator or (lambda name, n, ps: PageAllocator(n, ps, name=name,
+                                                                   strict=False))
+            self.l1_alloc = make("L1", config.l1_pages, p)
+            self.l2_alloc = make("L2", config.l2_pages, p) if config.l2_pages else None
             self.num_layers = 1
         self._op_ids = itertools.count()   # one op-id sequence: transfers and L3 jobs
         self.transfers = TransferEngine(self.device, op_ids=self._op_ids)

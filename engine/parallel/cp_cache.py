@@ -23,25 +23,29 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from engine.cache.events import EventLog
 from engine.cache.facade import HiCache
+from engine.cache.policy import EvictionPolicy
 from engine.cache.radix_tree import Node
-from engine.cache.types import LockReceipt, MatchResult, as_tokens
+from engine.cache.types import CacheConfig, LockReceipt, MatchResult, as_tokens
 from engine.parallel.cp import CPShape, OwnerAllocator
+from formats.ranklog_events import CP_ALLOC, CP_CUT
 
 
 class CPCache:
     """A CP group's view of one :class:`HiCache` (metadata only for now)."""
 
-    def __init__(self, cache: HiCache, cp_size: int):
-        assert cache.tree.num_nodes == 0, "wrap an empty cache"
-        assert cache.l1 is None, "CP sharding of KV bytes lives in the runtime, not here"
-        self.cache = cache
-        self.shape = CPShape(cp_size, cache.page_size)
-        cfg = cache.config
-        # The configured tier sizes are per-rank budgets: the logical pools are N times larger.
-        cache.l1_alloc = OwnerAllocator(self.shape, cfg.l1_pages, "L1", strict=False)
-        if cache.l2_alloc is not None:
-            cache.l2_alloc = OwnerAllocator(self.shape, cfg.l2_pages, "L2", strict=False)
+    def __init__(self, config: CacheConfig, cp_size: int, events: EventLog | None = None,
+                 policy: EvictionPolicy | None = None):
+        if config.layout is not None:
+            raise ValueError("CPCache keeps metadata only (layout=None): sharded KV bytes "
+                             "live in the runtime's per-rank pools")
+        self.shape = shape = CPShape(cp_size, config.page_size)
+        # The configured tier sizes are per-rank budgets: each rank gets that many pages, so
+        # the logical pools are N times larger.
+        self.cache = HiCache(config, events=events, policy=policy,
+                             allocator=lambda name, n, _p: OwnerAllocator(shape, n, name,
+                                                                          strict=False))
         self.cut_pages = 0
         self.cuts = 0
 
@@ -60,7 +64,8 @@ class CPCache:
         """L1 pages for pages ``len(m.l1_pages) …`` of ``m``'s prompt, continuing its rotation."""
         cache = self.cache
         alloc: OwnerAllocator = cache.l1_alloc
-        start = self.path_start_owner(m.path)
+        # the matched nodes (the facade's own part of the result): the prefix's rotation
+        start = self.path_start_owner(m._path)
         have = len(m.l1_pages)
         if start is None:
             assert have == 0
@@ -70,7 +75,7 @@ class CPCache:
         while short > 0 and cache.evict_l1(short):
             short = alloc.shortfall(n_pages, first_owner=first)
         pages = alloc.alloc_rotation(n_pages, first)
-        cache.events.emit("cp_alloc", rid=m.rid, first_owner=first, pages=int(n_pages))
+        cache.events.emit(CP_ALLOC, rid=m.rid, first_owner=first, pages=int(n_pages))
         return pages
 
     # ------------------------------------------------------------------ insert
@@ -90,11 +95,11 @@ class CPCache:
         if cut < n_full:
             self.cuts += 1
             self.cut_pages += n_full - cut
-            cache.events.emit("cp_cut", rid=rid, at_page=int(cut), pages=int(n_full - cut))
+            cache.events.emit(CP_CUT, rid=rid, at_page=int(cut), pages=int(n_full - cut))
             cache.l1_alloc.free(pages[cut:])
             toks, pages = toks[:cut * p], pages[:cut]
         if cut == 0:
-            return after.node if after is not None else None
+            return after._node if after is not None else None
         last = cache.insert(toks, pages, namespace=namespace, rid=rid, priority=priority,
                             prefix_hashes=prefix_hashes, after=after)
         if last is not None and last.cp_owner is None:     # the segment this insert added
@@ -105,7 +110,7 @@ class CPCache:
                      after: LockReceipt | None) -> int:
         """Index of the first page the tree could not take without breaking a rotation."""
         p, n = self.cache.page_size, self.shape.size
-        start = after.node if after is not None and after.node is not None else None
+        start = after._node if after is not None else None   # the locked match, if any
         path, pos = self.cache.tree.walk(toks, namespace, split=False, start=start)
         owners = pages % n
         off = k = 0

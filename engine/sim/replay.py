@@ -130,8 +130,9 @@ def _make_cache(cfg: ReplayConfig, events: EventLog, policy) -> HiCache:
                             l2_tokens=cfg.l2_tokens * n if replicated else cfg.l2_tokens,
                             eviction_policy="lru" if cfg.policy == "opt" else cfg.policy,
                             write_policy=cfg.write_policy, layout=None, events=cfg.events)
-    cache = HiCache(cache_cfg, events=events, policy=policy)
-    return CPCache(cache, n) if n > 1 and not replicated else cache
+    if n > 1 and not replicated:
+        return CPCache(cache_cfg, n, events=events, policy=policy)
+    return HiCache(cache_cfg, events=events, policy=policy)
 
 
 def replay(records: Iterable, cfg: ReplayConfig, *,
