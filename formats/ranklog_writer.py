@@ -12,6 +12,7 @@ from typing import Any, Iterable, Mapping
 
 import msgpack
 
+from formats.outpath import resolve_output
 from formats.ranklog import Encoding, RankLogError, encoding_for, parse_header
 from formats.ranklog_events import event_fields_problem
 
@@ -54,8 +55,14 @@ class RankLogWriter:
             parse_header(dict(header), self.path, None)
         except RankLogError as exc:  # caller misuse
             raise ValueError(exc.problem) from None
-        self._tmp = self.path + ".tmp"
-        self._fh = open(self._tmp, "wb")
+        # formats.outpath's rule: never replace a device or FIFO, write through a symlink
+        self._target = resolve_output(self.path)
+        self._tmp = os.path.join(os.path.dirname(self._target),
+                                 f".{os.path.basename(self._target)}.tmp-{os.getpid()}")
+        try:
+            self._fh = open(self._tmp, "wb")
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, self.path) from None
         if self.encoding is Encoding.msgpack:
             pack = event_packer().pack
             self._encode = pack
@@ -79,7 +86,12 @@ class RankLogWriter:
         if self._fh.closed:
             return
         self._fh.close()
-        os.replace(self._tmp, self.path)
+        try:
+            resolve_output(self.path)
+            os.replace(self._tmp, self._target)
+        except OSError:
+            self.abort()
+            raise
 
     def abort(self) -> None:
         """Drop the partial file (an exception while writing)."""

@@ -161,18 +161,11 @@ def write_snapshot(dest: str | os.PathLike | IO[bytes], header: dict,
             for rec in nodes:
                 w.add(rec)
         return w.count
-    path = os.fspath(dest)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb", buffering=1 << 20) as f:
-            n = write_snapshot(f, header, nodes)
-        os.replace(tmp, path)
-    except BaseException as exc:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        if isinstance(exc, OSError) and exc.filename == tmp:  # name the file asked for
-            raise type(exc)(exc.errno, exc.strerror, path) from None
-        raise
+    from formats.outpath import atomic_output
+
+    # never replaces a device, FIFO or directory; writes through a symlink (formats.outpath)
+    with atomic_output(dest) as f:
+        n = write_snapshot(f, header, nodes)
     return n
 
 

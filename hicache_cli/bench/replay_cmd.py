@@ -41,20 +41,20 @@ def _parse_capacities(text: str) -> list[int]:
 
 
 def _check_output_path(name: str, path: Optional[Path], directory: bool = False) -> None:
-    """Fail before the replay, not after it, when an output path cannot be written."""
+    """Fail before the replay, not after it, when an output path cannot be written (the
+    rule of :mod:`formats.outpath`: never a device/FIFO, through symlinks, writable)."""
+    from formats.outpath import OutputPathError, check_output_dir, check_output_file
+
     if path is None:
         return
-    if directory:
-        if path.exists() and not path.is_dir():
-            fail(f"{name} {path}: exists and is not a directory")
-        return
-    if path.is_dir():
-        fail(f"{name} {path}: is a directory, expected a file name")
-    parent = path.parent
-    if not parent.is_dir():
-        fail(f"{name} {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        fail(f"{name} {path}: directory {parent} is not writable")
+    try:
+        if directory:
+            if path.exists() or path.is_symlink():
+                check_output_dir(path, create=False)
+            return
+        check_output_file(path)
+    except OutputPathError as e:
+        fail(f"{name} {e}")
 
 
 def _check_cp(cp: int, cp_kv: str, l3_tokens: int, sweep: bool) -> None:
@@ -388,5 +388,11 @@ def _plot(rows: list[dict], path: Path, trace_name: str, page_size: int) -> None
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    import io
+
+    from formats.outpath import write_output
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
     plt.close(fig)
+    write_output(path, buf.getvalue())

@@ -93,18 +93,23 @@ def write_parquet(result: LoadResult, path: str) -> None:
 
     cols = records_as_columns(result.records)
     table = pa.table({"workload": [result.workload] * len(result.records), **cols})
-    pq.write_table(table, path)
+    from formats.outpath import atomic_output
+
+    with atomic_output(path) as f:
+        pq.write_table(table, f)
 
 
 def check_output_path(path: str) -> None:
-    """Fail before the run, not after it, when ``--output`` could not be written."""
-    parent = os.path.dirname(os.path.abspath(path))
+    """Fail before the run, not after it, when ``--output`` could not be written (the rule
+    of :mod:`formats.outpath`: never a device/FIFO/directory, through symlinks, writable)."""
+    from formats.outpath import OutputPathError, check_output_file
+
     if os.path.isdir(path):
         fail(f"--output {path} is a directory; give a file name such as run.parquet")
-    if not os.path.isdir(parent):
-        fail(f"--output {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        fail(f"--output {path}: directory {parent} is not writable")
+    try:
+        check_output_file(path)
+    except OutputPathError as e:
+        fail(f"--output {e}")
 
 
 def _fmt_s(v: float | None) -> str:

@@ -174,14 +174,16 @@ def register(bench_app: typer.Typer) -> None:
         dump_path: Optional[Path] = None
         if dump_tree_on_exit is not None:   # settle (and check) the destination before serving
             from engine.snapshot.take import snapshot_filename
+            from formats.outpath import OutputPathError, check_output_dir, check_output_file
 
             dump_path = Path(dump_tree_on_exit)
-            if dump_tree_on_exit.endswith(("/", os.sep)) or dump_path.is_dir():
-                dump_path.mkdir(parents=True, exist_ok=True)
-                dump_path = dump_path / snapshot_filename(0)
-            elif not dump_path.parent.is_dir():
-                fail(f"--dump-tree-on-exit: directory {dump_path.parent} does not exist",
-                     code=2)
+            try:
+                if dump_tree_on_exit.endswith(("/", os.sep)) or dump_path.is_dir():
+                    check_output_dir(dump_path)
+                    dump_path = dump_path / snapshot_filename(0)
+                check_output_file(dump_path)      # writable now, or we say so before serving
+            except OutputPathError as e:
+                fail(f"--dump-tree-on-exit {e}", code=2)
 
         def on_exit(engine: Engine) -> None:
             if dump_path is not None:
@@ -194,6 +196,9 @@ def register(bench_app: typer.Typer) -> None:
         try:
             serve(cfg, on_ready=ready, on_exit=on_exit)
         except OSError as exc:
-            if exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+            # a bind error names no file; any other OSError (an unwritable --rank-log-dir,
+            # store dir, ...) is reported with its own path by the error table
+            if exc.filename is None and exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL,
+                                                      errno.EACCES):
                 fail(f"cannot listen on {host}:{port}: {exc.strerror}")
             raise

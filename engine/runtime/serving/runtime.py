@@ -132,7 +132,10 @@ class Engine:
             device=self.device, layout=layout),
             events=self._event_log(cfg))
         if cfg.rank_log_dir is not None:      # fail at start, not at shutdown
-            os.makedirs(cfg.rank_log_dir, exist_ok=True)
+            from formats.outpath import check_output_dir, check_output_file
+
+            check_output_dir(cfg.rank_log_dir)
+            check_output_file(self._rank_log_path())
         self.model_tag = model_tag(cfg.model, mc)
         self.l3_status = "off"
         self.l3_store = None
@@ -216,13 +219,16 @@ class Engine:
         if self.cfg.rank_log_dir is not None:
             self.cache.wait_all()
             os.makedirs(self.cfg.rank_log_dir, exist_ok=True)
-            path = os.path.join(self.cfg.rank_log_dir,
-                                f"rank{self.cache.events.rank.rank}.ranklog")
+            path = self._rank_log_path()
             self.cache.events.write(path)
             log.info("rank log written to %s", path)
         self.cache.close()
         if self._tmp_tokenizer and self.tokenizer_path:
             shutil.rmtree(self.tokenizer_path, ignore_errors=True)
+
+    def _rank_log_path(self) -> str:
+        return os.path.join(self.cfg.rank_log_dir or ".",
+                            f"rank{self.cache.events.rank.rank}.ranklog")
 
     def storage_degraded(self) -> str | None:
         """Why the L3 store is degraded (a call stuck past its deadline), or None. Reads the
