@@ -40,7 +40,7 @@ def test_sweep_and_plot(tmp_path):
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert {(x["policy"], x["l1_tokens"]) for x in d["sweep"]} == {
-        (p, c) for p in ("lru", "lfu", "opt") for c in (100_000, 400_000)}
+        (p, c) for p in ("lru", "lfu", "bip", "opt") for c in (100_000, 400_000)}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

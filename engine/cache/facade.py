@@ -83,6 +83,9 @@ class HiCache:
         self._t2 = (Tier("l2", self.l2_alloc, self._l2_candidate, self._evict_l2_node)
                     if self.l2_alloc is not None else None)
         self.counters: collections.Counter = collections.Counter()
+        attach = getattr(self.policy, "attach", None)
+        if attach is not None:             # a policy that needs the tier size (``bip``)
+            attach(self)
 
     def attach_l3(self, impl, prefetch_policy: str = "wait_complete",
                   prefetch_timeout: float = 1.0) -> None:

@@ -60,11 +60,18 @@ class Belady:
         return (-(nxt if nxt is not None else 1 << 62), node.last_access)
 
 
+def _bip(**kwargs) -> EvictionPolicy:
+    from engine.cache.policy_bip import AdaptiveBIP
+
+    return AdaptiveBIP(**kwargs)
+
+
 class PolicyName(str, enum.Enum):
     lru = "lru"
     lfu = "lfu"
     priority = "priority"
     opt = "opt"
+    bip = "bip"
 
 
 _REGISTRY: dict[str, Callable[..., EvictionPolicy]] = {
@@ -72,6 +79,7 @@ _REGISTRY: dict[str, Callable[..., EvictionPolicy]] = {
     "lfu": LFU,
     "priority": Priority,
     "opt": Belady,
+    "bip": _bip,
 }
 
 

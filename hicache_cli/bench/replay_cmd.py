@@ -93,13 +93,13 @@ def register(bench_app: typer.Typer) -> None:
         l2_tokens: int = typer.Option(0, "--l2-tokens", help="L2 (host) capacity; 0 = no L2."),
         l3_tokens: int = typer.Option(0, "--l3-tokens", help="L3 (storage) capacity; "
                                       "0 = no L3, -1 = unbounded. Needs --l2-tokens > 0."),
-        policy: str = typer.Option("lru", "--policy", help="Eviction policy: lru, lfu, priority "
+        policy: str = typer.Option("lru", "--policy", help="Eviction policy: lru, lfu, priority, bip "
                                    "or opt (Belady's offline bound)."),
         write_policy: str = typer.Option("write_through", "--write-policy",
                                          help="L1->L2 write policy: write_through, "
                                               "write_through_selective, write_back."),
         limit: Optional[int] = typer.Option(None, "--limit", help="Replay the first N requests."),
-        sweep: bool = typer.Option(False, "--sweep", help="Sweep L1 capacity for lru, lfu and "
+        sweep: bool = typer.Option(False, "--sweep", help="Sweep L1 capacity for lru, lfu, bip and "
                                    "opt (L2 off) instead of one run."),
         capacities: Optional[str] = typer.Option(
             None, "--capacities", help="Sweep points, e.g. '640k,1.28m,2.56m' (default: "
@@ -193,7 +193,7 @@ def register(bench_app: typer.Typer) -> None:
                 fail(f"--capacities: {small[0]} tokens hold no page of {page_size} tokens",
                      code=2)
             rows = []
-            for pol in ("lru", "lfu", "opt"):
+            for pol in ("lru", "lfu", "bip", "opt"):
                 for cap in caps:
                     res, _ = _replay(records, ReplayConfig(page_size=page_size, l1_tokens=cap,
                                                            l2_tokens=0, policy=pol,

@@ -75,7 +75,7 @@ def register(bench_app: typer.Typer) -> None:
                                                  help="Prompt tokens prefilled per step."),
         eviction_policy: str = typer.Option("lru", "--eviction-policy",
                                             "--radix-eviction-policy",
-                                            help="lru, lfu or priority."),
+                                            help="lru, lfu, priority or bip."),
         seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the random weights "
                                            "(presets; default: the preset's)."),
         storage_backend: Optional[str] = typer.Option(

@@ -1,0 +1,168 @@
+"""``bip``: bimodal insertion whose admission rate is chosen from measured reuse distances.
+
+The problem it answers (docs/eviction.md): on chat traffic most newly inserted prefixes are
+never read again, and those that are come back after a *reuse distance* (tokens inserted in
+between) several times the cache. LRU then keeps every prefix a little and each one too short to
+be hit. Keeping a *sample* of new prefixes for longer (bimodal insertion, BIP) turns the same
+space into hits, but only when the distances are long; when they are short, LRU is right.
+
+The policy therefore measures, online and from the past only:
+
+* a token clock (tokens of newly inserted nodes);
+* for every new node its insertion time, and the distance to its first reuse — a hit on it
+  while cached, or the re-insertion of the same edge after it was evicted (a *ghost*: a
+  bounded table of ``(parent id, first page)`` → insertion time);
+
+and from that histogram ``F(T)`` (share of inserted tokens reused within distance ``T``) picks
+the admission rate ``e`` in {1, 1/2, …, 1/64} that maximises the expected hits ``e · F(C / e)``
+of a cache of ``C`` tokens that keeps a fraction ``e`` of new prefixes for ``C / e``. ``e = 1``
+is LRU exactly. A new node is admitted (placed at the MRU end) with probability ``e``
+(a hash of its id, so every rank decides alike); the others are placed at the LRU end and go
+first. Any hit moves a node to the MRU end. Keys are fixed when a node is touched, so the
+facade's heap, leaf-first order and locks are untouched.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+_LIP = float(1 << 53)          # "LRU end": below every MRU key that the tree clock can reach
+_BUCKETS_PER_OCTAVE = 4
+_N_BUCKETS = 40 * _BUCKETS_PER_OCTAVE
+_RATES = tuple(2.0 ** -j for j in range(7))   # 1 … 1/64
+_MARGIN = 1.5                  # the model counts first reuses only: it flatters small rates
+_HASH_MUL = 0x9E3779B97F4A7C15
+_MASK = (1 << 64) - 1
+
+
+def _bucket(distance: float) -> int:
+    b = int(_BUCKETS_PER_OCTAVE * math.log2(distance + 1.0))
+    return min(b, _N_BUCKETS - 1)
+
+
+class AdaptiveBIP:
+    """See the module docstring. ``capacity_tokens`` is learnt from :meth:`attach`."""
+
+    name = "bip"
+
+    def __init__(self, capacity_tokens: int = 0, page_size: int = 1):
+        self.capacity = capacity_tokens
+        self.page_size = page_size
+        self.clock = 0                       # tokens of newly inserted nodes so far
+        self.inserted = 0.0                  # decayed copy of the same, the F denominator
+        self.hist = [0.0] * _N_BUCKETS       # reused tokens by distance bucket (decayed)
+        self.ghosts: dict[tuple, int] = {}   # (parent id, first page) -> insertion clock
+        self._ghost_fifo: collections.deque = collections.deque()
+        self.rate = 1.0                      # current admission rate e
+        self._next_choice = 0
+        self._next_decay = 0
+        # per node: [last_access seen, key, insertion clock or -1 once reused]
+        self._state: dict[int, list] = {}
+
+    # -- facade hook -----------------------------------------------------------------------
+    def attach(self, cache) -> None:
+        """Called by the cache that owns the policy: learn the L1 size and the page size."""
+        self.page_size = cache.page_size
+        self.capacity = cache.l1_alloc.num_pages * cache.page_size
+        self._tree = cache.tree
+
+    # -- ordering --------------------------------------------------------------------------
+    def key(self, node) -> tuple:
+        st = self._state.get(node.id)
+        now = node.last_access
+        if st is not None and st[0] == now:
+            return st[1]
+        if st is None:
+            st = self._first_sight(node)
+        if node.hit_count and st[2] >= 0:
+            self._record(self.clock - st[2], len(node.tokens))
+            st[2] = -1
+        if node.hit_count or self._admit(node):
+            k = (float(now),)
+        else:
+            k = (now - _LIP,)
+        st[0], st[1] = now, k
+        return k
+
+    def _first_sight(self, node) -> list:
+        parent = node.parent
+        st = None
+        if parent is not None and node.hit_count == 0 and not node.children:
+            # A newly inserted leaf: advance the clock; a ghost hit is a reuse after eviction.
+            gk = (parent.id, node.tokens[:self.page_size].tobytes())
+            born = self.ghosts.pop(gk, None)
+            if born is not None:
+                self._record(self.clock - born, len(node.tokens))
+            self._insert_ghost(gk)
+            st = [-1, None, self.clock]
+            self.clock += len(node.tokens)
+            self.inserted += len(node.tokens)
+            if self.clock >= self._next_choice:
+                self._choose_rate()
+        else:
+            # The upper half of a split (or a node seen first by a heap rebuild): it shares
+            # the lower half's history.
+            lower = next(iter(node.children.values()), None) if node.children else None
+            born = self._state.get(lower.id) if lower is not None else None
+            st = [-1, None, born[2] if born is not None else -1]
+        if len(self._state) > 4 * max(self._tree_nodes(), 1024):
+            self._prune()
+        self._state[node.id] = st
+        return st
+
+    def _admit(self, node) -> bool:
+        if self.rate >= 1.0:
+            return True
+        h = ((node.id + 1) * _HASH_MUL) & _MASK
+        return (h >> 11) * (1.0 / (1 << 53)) < self.rate
+
+    # -- measurement -----------------------------------------------------------------------
+    def _record(self, distance: int, tokens: int) -> None:
+        self.hist[_bucket(distance / self.page_size)] += tokens
+
+    def _insert_ghost(self, gk: tuple) -> None:
+        self.ghosts[gk] = self.clock
+        fifo = self._ghost_fifo
+        fifo.append((self.clock, gk))
+        horizon = self.clock - 64 * max(self.capacity, 1)
+        while fifo and fifo[0][0] < horizon:
+            born, old = fifo.popleft()
+            if self.ghosts.get(old) == born:
+                del self.ghosts[old]
+
+    def _choose_rate(self) -> None:
+        """Pick e maximising e * F(C / e) from the histogram (LRU until there is data)."""
+        cap = max(self.capacity, 1)
+        self._next_choice = self.clock + cap // 8 + 1
+        if self.clock >= self._next_decay:
+            if self._next_decay:
+                self.hist = [h * 0.5 for h in self.hist]
+                self.inserted *= 0.5
+            self._next_decay = self.clock + 16 * cap
+        if self.clock < 4 * cap or self.inserted <= 0:
+            self.rate = 1.0
+            return
+        cum = []
+        acc = 0.0
+        for h in self.hist:
+            acc += h
+            cum.append(acc)
+        best, best_score = 1.0, -1.0
+        for e in _RATES:
+            score = e * cum[_bucket(cap / e / self.page_size)]
+            if score > best_score * _MARGIN:   # a smaller rate must win clearly
+                best, best_score = e, score
+        self.rate = best
+
+    # -- housekeeping ----------------------------------------------------------------------
+    def _tree_nodes(self) -> int:
+        tree = getattr(self, "_tree", None)
+        return tree.num_nodes if tree is not None else len(self._state)
+
+    def _prune(self) -> None:
+        tree = getattr(self, "_tree", None)
+        if tree is None:
+            return
+        live = {n.id for n in tree.iter_nodes()}
+        self._state = {i: s for i, s in self._state.items() if i in live}
