@@ -19,6 +19,7 @@ import enum
 import itertools
 import queue
 import threading
+import time
 from typing import Any, Iterator
 
 import numpy as np
@@ -100,6 +101,7 @@ class TransferEngine:
         self._running = threading.Event()
         self._running.set()
         self.bytes_moved = collections.Counter()
+        self.debug_delay_s = 0.0   # debug: hold each CPU copy this long (stage-delay demos/tests)
 
     def pause(self) -> None:
         """Hold queued CPU copies (debugging and tests: observe in-flight state)."""
@@ -140,6 +142,8 @@ class TransferEngine:
             if op is None:
                 return
             self._running.wait()
+            if self.debug_delay_s:
+                time.sleep(self.debug_delay_s)
             try:
                 for layer in range(op.num_layers):
                     data = op.src.get_layer(layer, op.src_pages)
