@@ -138,6 +138,6 @@ def test_without_pp_sync_consensus_check_finds_the_ack_mismatch_first(tmp_path):
 
 
 def test_a_stage_killed_mid_run_stops_the_pipeline_cleanly():
-    res = run_stages(StagesRun(**SMALL, die={1: 3}, timeout_s=3), timeout_s=60)
+    res = run_stages(StagesRun(**SMALL, die={1: 3}, timeout_s=3, max_outstanding=2), timeout_s=60)
     assert "exited with code 17" in res[1]["error"]
     assert "pp_sync" in res[0]["error"] and "stage 1" in res[0]["error"]

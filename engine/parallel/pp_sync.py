@@ -203,9 +203,20 @@ class PPSync:
                               f"{self._error}") from self._error
 
     def close(self) -> None:
-        """Flush what is queued, tell the next stage the link ends, and stop the threads."""
+        """Flush what is queued, tell the next stage the link ends, and stop the threads.
+
+        Raises :class:`PPSyncError` when the next stage does not take the last counts in time.
+        """
         if self.enabled and self.links.next_rank is not None:
-            self._outbox.put([-1] + [0] * len(self.queues))
-            self._outbox.put(None)
+            try:
+                self._outbox.put([-1] + [0] * len(self.queues), timeout=self.timeout_s)
+                self._outbox.put(None, timeout=self.timeout_s)
+            except queue.Full:
+                raise PPSyncError(f"pp_sync: stage {self.links.stage + 1} did not take the last "
+                                  f"ACK counts within {self.timeout_s:g} s (dead or hung)") from None
         for t in self._threads:
             t.join(timeout=self.timeout_s)
+            if t.is_alive() and t.name == "pp-sync-send":
+                raise PPSyncError(f"pp_sync: stage {self.links.stage + 1} did not receive the last "
+                                  f"ACK counts within {self.timeout_s:g} s (dead or hung)")
+        self._check()
