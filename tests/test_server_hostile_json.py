@@ -45,3 +45,27 @@ def test_malformed_json_is_a_400_without_a_traceback(server, name, caplog):
     r = requests.post(server.url + "/generate", json={"text": "still here", "sampling_params":
                                                        {"max_new_tokens": 2}}, timeout=60)
     assert r.status_code == 200 and len(r.json()["output_ids"]) == 2
+
+
+def test_clients_leaving_mid_upload_log_one_debug_line_each(server, caplog):
+    import socket
+    import time
+    import urllib.parse
+
+    u = urllib.parse.urlparse(server.url)
+    n = 20
+    with caplog.at_level(logging.DEBUG):
+        for _ in range(n):
+            c = socket.create_connection((u.hostname, u.port))
+            c.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100000\r\n\r\n{\"text\": \"abc")
+            time.sleep(0.05)
+            c.close()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and sum(
+                "went away" in r.getMessage() for r in caplog.records) < n:
+            time.sleep(0.05)
+    gone = [r for r in caplog.records if "went away" in r.getMessage()]
+    assert len(gone) == n and all(r.levelno == logging.DEBUG for r in gone)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [r for r in caplog.records if r.exc_info]

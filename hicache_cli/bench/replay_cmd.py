@@ -57,6 +57,17 @@ def _check_output_path(name: str, path: Optional[Path], directory: bool = False)
         fail(f"{name} {e}")
 
 
+def _check_ranks(ranks: int) -> None:
+    """``--ranks`` is at least 1 and at most what this machine can run (each rank is a
+    process holding torch)."""
+    from engine.core.device import max_local_ranks
+
+    _positive("--ranks", ranks, allow_zero=False)
+    cap, why = max_local_ranks()
+    if ranks > cap:
+        fail(f"--ranks {ranks}: this machine can run at most {cap} ranks ({why})", code=2)
+
+
 def _check_cp(cp: int, cp_kv: str, l3_tokens: int, sweep: bool) -> None:
     from engine.sim.replay import CP_KV
 
@@ -146,6 +157,7 @@ def register(bench_app: typer.Typer) -> None:
         from engine.sim.replay import ReplayConfig
 
         _positive("--page-size", page_size, allow_zero=False)
+        _check_ranks(ranks)
         _positive("--l1-tokens", l1_tokens, allow_zero=False)
         _positive("--l2-tokens", l2_tokens)
         _positive("--l3-tokens", l3_tokens, allow_unbounded=True)

@@ -53,7 +53,11 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         if exc.status >= 400 and exc.content_type != "application/json":
             return _error(exc.status, exc.reason)
         raise
-    except (ClientGone, ConnectionResetError, asyncio.CancelledError):
+    except (ClientGone, ConnectionResetError):
+        # the client went away (mid-upload, mid-response): one debug line, no traceback
+        log.debug("client of %s %s went away", request.method, request.path)
+        return web.Response(status=499)
+    except asyncio.CancelledError:
         raise
     except Exception:  # noqa: BLE001 - logged with its traceback, answered as 500
         log.exception("unhandled error in %s %s", request.method, request.path)
@@ -63,7 +67,10 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
 async def _json_body(request: web.Request) -> Any:
     """The body as JSON, bounded (:mod:`formats.boundedjson`: nesting depth, integer size,
     finite numbers, valid Unicode): anything else is a 400 ``invalid_request_error``."""
-    raw = await request.read()
+    try:
+        raw = await request.read()
+    except ConnectionResetError:        # the client left mid-upload (aiohttp: connection lost)
+        raise ClientGone() from None
     try:
         return boundedjson.loads(raw)
     except boundedjson.JSONLimitError as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -19,6 +20,8 @@ from engine.runtime.scheduler import Scheduler, SchedulerConfig
 from engine.runtime.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger("hicache.server")
+
+MEMORY_SHARE = 0.9      # of the memory available at start, the KV pools may take at most this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +73,12 @@ class ServerConfig:
             raise ValueError(f"--l1-tokens must hold at least one page ({self.page_size})")
         if self.l2_tokens is not None and self.l2_tokens < 0:
             raise ValueError("--l2-tokens must be >= 0")
-        if self.hicache_ratio < 0 or self.hicache_size_gb < 0:
-            raise ValueError("--hicache-ratio and --hicache-size must be >= 0")
+        for opt, v in (("--hicache-ratio", self.hicache_ratio),
+                       ("--hicache-size", self.hicache_size_gb),
+                       ("--hicache-storage-prefetch-timeout",
+                        self.hicache_storage_prefetch_timeout)):
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"{opt} must be a finite number >= 0, got {v}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         WritePolicy.parse(self.write_policy)
@@ -100,6 +107,29 @@ class ServerConfig:
 
             parse_spec(self.inject_divergence)
 
+    def check_memory(self, token_bytes: int, l2_tokens: int, device: str) -> None:
+        """Usage error (``ValueError``) naming the option when the L1 pool (on ``device``) or
+        the L2 pool (host memory) cannot be allocated here, with what would fit."""
+        from engine.core.device import available_memory, bytes_text
+
+        host = available_memory("cpu")
+        dev = host if device == "cpu" else available_memory(device)
+        l1_bytes, l2_bytes = self.l1_tokens * token_bytes, l2_tokens * token_bytes
+        if l1_bytes > dev * MEMORY_SHARE:
+            fit = int(dev * MEMORY_SHARE // token_bytes)
+            raise ValueError(f"--l1-tokens {self.l1_tokens:,} needs {bytes_text(l1_bytes)} of "
+                             f"KV memory on {device}; {bytes_text(dev)} is available: at most "
+                             f"about {fit - fit % self.page_size:,} tokens fit")
+        room = host * MEMORY_SHARE - (l1_bytes if device == "cpu" else 0)
+        if l2_bytes > room:
+            opt = ("--l2-tokens" if self.l2_tokens is not None else "--hicache-size"
+                   if self.hicache_size_gb > 0 else "--hicache-ratio")
+            fit = max(int(room // token_bytes), 0)
+            raise ValueError(f"{opt}: an L2 of {l2_tokens:,} tokens needs "
+                             f"{bytes_text(l2_bytes)} of host memory; {bytes_text(host)} is "
+                             f"available{' beside L1' if device == 'cpu' else ''}: at most "
+                             f"about {fit - fit % self.page_size:,} tokens of L2 fit")
+
     def l2_tokens_for(self, token_bytes: int) -> int:
         """Resolved L2 size in tokens (a multiple of the page size)."""
         if self.l2_tokens is not None:
@@ -125,6 +155,7 @@ class Engine:
         layout = self.model.kv_layout(cfg.page_size)
         token_bytes = layout.page_bytes // cfg.page_size
         self.l2_tokens = cfg.l2_tokens_for(token_bytes)
+        cfg.check_memory(token_bytes, self.l2_tokens, self.device)
         self.cache = HiCache(CacheConfig(
             page_size=cfg.page_size, l1_tokens=cfg.l1_tokens, l2_tokens=self.l2_tokens,
             write_policy=cfg.write_policy, write_through_threshold=cfg.write_through_threshold,
