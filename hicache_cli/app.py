@@ -13,7 +13,8 @@ import typer  # noqa: E402
 app = typer.Typer(
     name="hicache",
     help="Hierarchical KV cache toolkit: benchmark the cache (bench), inspect radix-tree "
-         "snapshots (inspect), check rank logs (consensus-check).",
+         "snapshots (inspect), check rank logs (consensus-check), convert L3 stores between layouts "
+         "(convert-layout).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -24,12 +25,14 @@ app = typer.Typer(
 from hicache_cli import (
     cmd_bench,  # noqa: E402
     cmd_consensus,  # noqa: E402
+    cmd_convert,  # noqa: E402
     cmd_inspect,  # noqa: E402
 )
 
 cmd_bench.register(app)
 cmd_inspect.register(app)
 cmd_consensus.register(app)
+cmd_convert.register(app)
 
 
 def _version(value: bool) -> None:

@@ -64,3 +64,18 @@ def test_bad_layout_options_are_refused():
         ServerConfig(**BASE, hicache_storage_grid="layers=two")
     with pytest.raises(ValueError, match="unified layout only"):
         ServerConfig(**BASE, hicache_storage_layout="legacy", hicache_storage_grid="tp=2")
+
+
+def test_legacy_store_converted_to_unified_is_hit(tmp_path, uncached):
+    from typer.testing import CliRunner
+
+    from hicache_cli.app import app
+
+    legacy = tmp_path / "legacy"
+    served(legacy, hicache_storage_layout="legacy")
+    res = CliRunner().invoke(app, ["convert-layout", str(legacy), str(tmp_path / "unified"),
+                                   "--to", "unified", "--verify"])
+    assert res.exit_code == 0, res.output
+    out = served(tmp_path / "unified")
+    assert out["meta_info"]["cached_tokens_details"]["storage"] > 0
+    assert out["output_ids"] == uncached

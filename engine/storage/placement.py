@@ -215,7 +215,9 @@ class Placement:
     def namespace(self, model: KVLayout, model_tag: str = "") -> str:
         return namespace_id(model.whole(), model_tag, **self.storage_fields(model))
 
-    def _tile(self, model: KVLayout, ns: str, layers, heads, tag: str) -> Tile:
+    def tile_at(self, model: KVLayout, ns: str, layers: tuple[int, int],
+                heads: tuple[int, int], tag: str) -> Tile:
+        """The object holding ``layers`` × ``heads`` of a page (``ns``: :meth:`namespace`)."""
         lay = model.region(layers, heads)
         if self.scheme is StorageLayout.LEGACY:
             suffix = legacy_coordinate(ns, self.tp, self.pp)
@@ -233,9 +235,9 @@ class Placement:
             out = []
             for p in self.ranks():
                 sh = span(model.shard(p.tp[1], p.tp[0], p.pp[1], p.pp[0]))
-                out.append(p._tile(model, ns, sh[0], sh[1], model_tag))
+                out.append(p.tile_at(model, ns, sh[0], sh[1], model_tag))
             return out
-        return [self._tile(model, ns, lr, hr, model_tag)
+        return [self.tile_at(model, ns, lr, hr, model_tag)
                 for lr, hr in Grid.parse(self.grid, model).cells(model)]
 
     def tiles(self, shard: KVLayout, model_tag: str = "", *, writing: bool) -> list[Tile]:
@@ -249,7 +251,7 @@ class Placement:
                     f"legacy layout: rank tp {self.tp[0]}/{self.tp[1]}, pp {self.pp[0]}/"
                     f"{self.pp[1]} holds layers {own[0]} × heads {own[1]}, not the pool's "
                     f"layers {layers} × heads {heads}")
-            return [self._tile(shard, self.namespace(shard, model_tag), layers, heads,
+            return [self.tile_at(shard, self.namespace(shard, model_tag), layers, heads,
                                model_tag)]
         out = [t for t in self.all_tiles(shard, model_tag)
                if _overlaps(t.layers, layers) and _overlaps(t.heads, heads)]

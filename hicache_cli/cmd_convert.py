@@ -1,0 +1,147 @@
+"""``hicache convert-layout SRC DST``: convert an L3 store at rest between layouts.
+
+The work is done by :mod:`engine.storage.convert`; this module parses options, draws the
+progress bar and renders the summary. Exit codes: 0 converted (corrupt source objects are
+skipped and counted), 1 error (missing store, mixed layouts, conflicting destination, no room,
+interrupted), 2 usage (unknown layout strings).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import typer
+
+from hicache_cli.output import (
+    EXIT_ERROR,
+    OutputFormat,
+    emit_json,
+    fail,
+    handle_errors,
+    stderr,
+    stdout,
+)
+
+HELP = """Convert an L3 store at rest: legacy per-rank -> unified, one unified grid to another,
+layer_first <-> page_first payloads.
+
+SRC and DST are file-store directories or mooncake://HOST:PORT[?metadata=URL&admin=PORT]
+addresses. The source's layout is read from its objects; the source is never modified.
+Objects already in DST are checked and skipped, so an interrupted run resumes.
+
+Examples:
+  hicache convert-layout /data/old-store /data/store --to unified
+  hicache convert-layout /data/store /data/store8 --to unified:layers=8,heads=2 --verify
+  hicache convert-layout /data/store mooncake://10.0.0.1:50051 --dry-run
+"""
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def _human_plan(s: dict[str, Any], title: str) -> None:
+    stdout.print(f"{title}: {s['source_layout']} -> {s['target_layout']}")
+    stdout.print(f"  in:  {s['objects_in']:,} objects, {_mb(s['bytes_in'])} "
+                 f"({s['pages']:,} pages)")
+    stdout.print(f"  out: {s['objects_out']:,} objects, {_mb(s['bytes_out'])} "
+                 f"({s['present']:,} already in the destination)")
+    skipped = {k: s[k] for k in ("corrupt", "foreign", "other_layout", "incomplete_pages")
+               if s.get(k)}
+    if skipped:
+        stdout.print("  skipped: " + ", ".join(f"{k.replace('_', ' ')} {v:,}"
+                                               for k, v in skipped.items()))
+
+
+def _human_result(s: dict[str, Any]) -> None:
+    _human_plan(s, "converted")
+    rate = s["bytes_in"] / s["seconds"] / 1e6 if s["seconds"] > 0 else 0.0
+    stdout.print(f"  written {s['written']:,} ({_mb(s['bytes_written'])}), already present "
+                 f"{s['skipped_present']:,}, verified {s['verified']:,}, corrupt on read "
+                 f"{s['read_corrupt']:,}; {s['seconds']:.2f} s ({rate:,.0f} MB/s in)")
+
+
+def _run(src, dst, plan, verify: bool, fmt: OutputFormat):
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    from engine.storage.convert import run
+
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), TimeRemainingColumn(), console=stderr,
+                  disable=fmt is OutputFormat.json, transient=True) as bar:
+        task = bar.add_task("converting", total=plan.counts["bytes_in"] or None)
+        return run(plan, src, dst, verify=verify,
+                   progress=lambda n: bar.advance(task, n))
+
+
+def convert(src_spec: str, dst_spec: str, to: str, from_: Optional[str], verify: bool,
+            dry_run: bool, max_bytes: Optional[str], fmt: OutputFormat) -> None:
+    from engine.core.errors import InputError
+    from engine.storage.config import parse_size
+    from engine.storage.convert import plan as make_plan
+    from engine.storage.endpoints import open_endpoint, same_store
+    from engine.storage.placement import Placement
+
+    limit = parse_size(max_bytes) if max_bytes is not None else None
+    for spec in (to, from_):        # usage errors before any store is opened
+        if spec is not None:
+            Placement.parse_target(spec)
+    if same_store(src_spec, dst_spec):
+        raise InputError("source and destination are the same store")
+    src = open_endpoint(src_spec, source=True)
+    try:
+        dst = open_endpoint(dst_spec, source=False, dry_run=dry_run)
+        try:
+            plan = make_plan(src, dst, to, from_, limit)
+            if dry_run:
+                s = {**plan.summary(), "dry_run": True}
+                emit_json(s) if fmt is OutputFormat.json else _human_plan(s, "plan")
+                return
+            res = _run(src, dst, plan, verify, fmt)
+        finally:
+            dst.close()
+    finally:
+        src.close()
+    s = {**plan.summary(), **res.counts, "seconds": round(res.seconds, 3),
+         "interrupted": res.interrupted, "dry_run": False}
+    emit_json(s) if fmt is OutputFormat.json else _human_result(s)
+    if res.interrupted:
+        fail(f"interrupted after writing {s['written']:,} objects (each one whole); run the "
+             "same command again to resume", EXIT_ERROR)
+    if s["read_corrupt"] or s["corrupt"]:
+        stderr.print(f"warning: {s['corrupt'] + s['read_corrupt']:,} corrupt source object(s) "
+                     "skipped (never copied)")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("convert-layout", help=HELP)
+    @handle_errors
+    def convert_layout_cmd(
+        src: str = typer.Argument(..., metavar="SRC", help="Source store: a directory or "
+                                  "mooncake://HOST:PORT[?metadata=URL&admin=PORT]."),
+        dst: str = typer.Argument(..., metavar="DST", help="Destination store (created when "
+                                  "a directory does not exist)."),
+        to: str = typer.Option("unified", "--to", help="Target layout: unified (the default "
+                               "grid), unified:layers=N,heads=N, unified:tp=N,pp=N, or "
+                               "legacy:tp=N,pp=N; append +page_first for token-major "
+                               "payloads."),
+        from_: Optional[str] = typer.Option(None, "--from", help="Convert only the source "
+                                            "objects of this layout (same forms as --to); "
+                                            "needed when the source mixes layouts."),
+        verify: bool = typer.Option(False, "--verify", help="Read every written object back "
+                                    "and compare it with the source rectangle."),
+        dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (objects and "
+                                     "bytes in/out) and write nothing."),
+        max_bytes: Optional[str] = typer.Option(None, "--max-bytes", help="Room the "
+                                                "destination may use, e.g. 10GiB (refused up "
+                                                "front when the conversion needs more)."),
+        fmt: OutputFormat = typer.Option(OutputFormat.human, "--format",
+                                         help="human, or a JSON summary on stdout."),
+    ) -> None:
+        convert(src, dst, to, from_, verify, dry_run, max_bytes, fmt)
