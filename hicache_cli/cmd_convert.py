@@ -36,8 +36,11 @@ Examples:
 """
 
 
-def _mb(n: int) -> str:
-    return f"{n / 1e6:,.1f} MB"
+def _mb(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n:,.0f} B"
 
 
 def _human_plan(s: dict[str, Any], title: str) -> None:
@@ -55,10 +58,10 @@ def _human_plan(s: dict[str, Any], title: str) -> None:
 
 def _human_result(s: dict[str, Any]) -> None:
     _human_plan(s, "converted")
-    rate = s["bytes_in"] / s["seconds"] / 1e6 if s["seconds"] > 0 else 0.0
+    rate = s["bytes_in"] / s["seconds"] if s["seconds"] > 0 else 0.0
     stdout.print(f"  written {s['written']:,} ({_mb(s['bytes_written'])}), already present "
                  f"{s['skipped_present']:,}, verified {s['verified']:,}, corrupt on read "
-                 f"{s['read_corrupt']:,}; {s['seconds']:.2f} s ({rate:,.0f} MB/s in)")
+                 f"{s['read_corrupt']:,}; {s['seconds']:.2f} s ({_mb(rate)}/s in)")
 
 
 def _run(src, dst, plan, verify: bool, fmt: OutputFormat):

@@ -79,10 +79,22 @@ def _group_label(region: KVLayout, placement: Placement, tag: str) -> tuple[str,
     return model, tag, placement.label(region)
 
 
+def _interpret(description: dict) -> tuple:
+    """(region, placement, tag, key suffix, layout group) of a header's description;
+    ValueError when it is not one this tool knows or does not describe itself faithfully."""
+    region, placement, tag = describe_object(description)
+    (l0, l1), (h0, h1) = span(region)
+    tile = placement.tile_at(region, placement.namespace(region, tag), (l0, l1), (h0, h1), tag)
+    if tile.description != description:
+        raise ValueError("the description does not round-trip")
+    return region, placement, tag, tile.suffix, _group_label(region, placement, tag)
+
+
 def _scan(src: Endpoint, counts: dict[str, int]):
     """Headers of every source object: {layout group: [SourceObject]}."""
     groups: dict[tuple[str, str, str], list[SourceObject]] = {}
     placements: dict[tuple[str, str, str], tuple[KVLayout, str]] = {}
+    known: dict[bytes, tuple] = {}     # layout description -> what it says (parsed once)
     for key in src.list_keys():
         head = src.read(key, HEAD_BYTES)
         if head is None:            # vanished or too large since the listing
@@ -90,20 +102,18 @@ def _scan(src: Endpoint, counts: dict[str, int]):
             continue
         try:
             h = parse_header(head)
-            region, placement, tag = describe_object(h.layout)
+            if h.layout_json not in known:
+                known[h.layout_json] = _interpret(h.layout)
         except KVObjectError:
             counts["corrupt"] += 1
             continue
         except ValueError:
             counts["foreign"] += 1      # sound, but not a layout this tool knows
             continue
-        (l0, l1), (h0, h1) = span(region)
-        tile = placement.tile_at(region, placement.namespace(region, tag), (l0, l1), (h0, h1),
-                                 tag)
-        if object_key(h.page_hash, tile.suffix) != key or tile.description != h.layout:
+        region, placement, tag, suffix, g = known[h.layout_json]
+        if object_key(h.page_hash, suffix) != key:
             counts["corrupt"] += 1      # filed under a key that is not its own
             continue
-        g = _group_label(region, placement, tag)
         groups.setdefault(g, []).append(SourceObject(key, h.page_hash, region,
                                                      placement.kv_order,
                                                      h.header_len + h.payload_len))

@@ -1,0 +1,162 @@
+"""``convert-layout`` throughput against a plain copy of the same store, same disk, same run.
+
+Builds a legacy TP2 file store of at least ``--gb`` GiB (``KVLayout(8 layers, 8 kv-heads,
+head_dim 128, page 64, float16)``: 2 MiB pages, two 1 MiB objects per page), then times three
+conversions in a chain, each against ``cp -r`` of its own source store:
+
+1. legacy ``tp=2`` → unified, default grid (16 objects of 128 KiB per page: the heaviest cut);
+2. that → ``unified:layers=8,heads=8`` (one 2 MiB object per page, assembled from 16);
+3. that → ``unified:layers=8,heads=8+page_first`` (payload order changed).
+
+A conversion is timed as the command does it (``plan``: list and read every header, check the
+destination; ``run``: read, verify checksums, cut, encode, write with atomic renames), in this
+process (no interpreter start-up). Every timed operation starts after an untimed ``sync`` so that
+neither side pays for the other's writeback; each pair alternates which goes first; the best of
+``--repeat`` is reported. Speed is source bytes per second; the ratio is convert / copy.
+
+    .venv/bin/python benchmarks/bench_convert.py [--gb 2] [--dir DIR] [--repeat 2] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from engine.cache.pool import HostPool  # noqa: E402
+from engine.core.hashing import namespace_seed, page_hashes  # noqa: E402
+from engine.core.layout import KVLayout  # noqa: E402
+from engine.storage import L3Store  # noqa: E402
+from engine.storage.backends.file import FileBackend  # noqa: E402
+from engine.storage.config import FileStoreConfig  # noqa: E402
+from engine.storage.convert import plan, run  # noqa: E402
+from engine.storage.endpoints import open_endpoint  # noqa: E402
+from engine.storage.placement import Placement  # noqa: E402
+
+MODEL = KVLayout(num_layers=8, kv_heads=8, head_dim=128, page_size=64, dtype="float16")
+CHUNK = 64
+STEPS = [("legacy tp=2 -> unified (default grid)", "unified"),
+         ("unified -> unified:layers=8,heads=8", "unified:layers=8,heads=8"),
+         ("layer_first -> page_first", "unified:layers=8,heads=8+page_first")]
+
+
+def build_source(root: str, gib: float) -> int:
+    """A legacy TP2 store of >= gib GiB; returns its bytes on disk (objects only)."""
+    pages = -(-int(gib * (1 << 30)) // MODEL.page_bytes)
+    b = FileBackend(FileStoreConfig(dir=root))
+    shards = [MODEL.shard(2, r) for r in range(2)]
+    stores = [L3Store(b, s, placement=Placement("legacy", tp=(r, 2)))
+              for r, s in enumerate(shards)]
+    pools = [HostPool(s, CHUNK, host_layout="page_first") for s in shards]
+    g = torch.Generator().manual_seed(0)
+    for pool in pools:
+        pool.buf.copy_(torch.randn(pool.buf.shape, generator=g).to(pool.buf.dtype))
+    seed = namespace_seed(uuid.uuid4().hex)
+    hs = page_hashes(np.arange(pages * MODEL.page_size) % 50_000, MODEL.page_size, seed)
+    for s in range(0, pages, CHUNK):
+        chunk = hs[s:s + CHUNK]
+        for st, pool in zip(stores, pools):
+            pool.buf[0, 0, 0, 0, 0] += 1             # pages differ from chunk to chunk
+            assert st.put_pages(chunk, pool, list(range(len(chunk)))) == len(chunk)
+    for st in stores:
+        st.close(close_backend=False)
+    used, _ = b.usage()
+    b.close()
+    return used
+
+
+def sync() -> None:
+    subprocess.run(["sync"], check=False)
+
+
+def time_copy(src: str, dst: str) -> float:
+    sync()
+    t0 = time.perf_counter()
+    subprocess.run(["cp", "-r", src, dst], check=True)
+    t = time.perf_counter() - t0
+    shutil.rmtree(dst)
+    return t
+
+
+def time_convert(src: str, dst: str, to: str, keep: bool) -> tuple[float, dict]:
+    sync()
+    t0 = time.perf_counter()
+    s_ep = open_endpoint(src, source=True)
+    d_ep = open_endpoint(dst, source=False)
+    p = plan(s_ep, d_ep, to)
+    res = run(p, s_ep, d_ep)
+    s_ep.close()
+    d_ep.close()
+    t = time.perf_counter() - t0
+    if not keep:
+        shutil.rmtree(dst)
+    return t, {**p.summary(), **res.counts}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gb", type=float, default=2.0, help="source size in GiB (default 2)")
+    ap.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    work = tempfile.mkdtemp(prefix="bench-convert-", dir=a.dir)
+    try:
+        free = shutil.disk_usage(work).free
+        if free < 3.5 * a.gb * (1 << 30):
+            sys.exit(f"bench_convert: {free / 2**30:.1f} GiB free in {work}; needs about "
+                     f"{3.5 * a.gb:.1f} (use --gb or --dir)")
+        src = os.path.join(work, "s0")
+        t0 = time.perf_counter()
+        nbytes = build_source(src, a.gb)
+        print(f"source: legacy tp=2, {nbytes / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s",
+              file=sys.stderr)
+        rows = []
+        for i, (name, to) in enumerate(STEPS):
+            nxt = os.path.join(work, f"s{i + 1}")
+            copies: list[float] = []
+            convs: list[tuple[float, dict]] = []
+            for r in range(a.repeat):
+                last = r == a.repeat - 1
+                for which in (("copy", "convert") if r % 2 == 0 else ("convert", "copy")):
+                    if which == "copy":
+                        copies.append(time_copy(src, os.path.join(work, "copy")))
+                    else:
+                        convs.append(time_convert(src, nxt, to, keep=last))
+            info = convs[-1][1]
+            best_copy, best_conv = min(copies), min(t for t, _ in convs)
+            src_bytes = info["bytes_in"]
+            row = {"conversion": name, "bytes_in": src_bytes, "objects_in": info["objects_in"],
+                   "objects_out": info["objects_out"], "copy_s": round(best_copy, 3),
+                   "convert_s": round(best_conv, 3),
+                   "copy_gbps": round(src_bytes / best_copy / 1e9, 3),
+                   "convert_gbps": round(src_bytes / best_conv / 1e9, 3),
+                   "ratio": round(best_copy / best_conv, 3),
+                   "all_copy_s": [round(t, 3) for t in copies],
+                   "all_convert_s": [round(t, 3) for t, _ in convs]}
+            rows.append(row)
+            print(f"{name:42s} {src_bytes / 1e9:5.2f} GB  {info['objects_in']:6d} -> "
+                  f"{info['objects_out']:6d} objects  copy {row['copy_gbps']:.2f} GB/s  "
+                  f"convert {row['convert_gbps']:.2f} GB/s  ratio {row['ratio']:.2f}",
+                  file=sys.stderr)
+            shutil.rmtree(src)
+            src = nxt
+        if a.json:
+            print(json.dumps({"cpus": os.cpu_count(), "rows": rows}, indent=2))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
