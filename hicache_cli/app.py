@@ -10,6 +10,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import typer  # noqa: E402
 
+from hicache_cli import options  # noqa: E402,F401  (flags read as flags in --help)
+
 app = typer.Typer(
     name="hicache",
     help="Hierarchical KV cache toolkit: benchmark the cache (bench), inspect radix-tree "

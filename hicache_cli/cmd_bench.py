@@ -6,8 +6,9 @@ import typer
 
 bench_app = typer.Typer(
     help="Benchmark the cache: the all-in-one main job (no sub-command), the benchmark server "
-         "(serve), the load generator (run), offline trace replay (replay) and the server's "
-         "tokenizer as a Hugging Face directory (export-tokenizer).",
+         "(serve), the load generator (run), offline trace replay (replay), trace conversion "
+         "to Parquet/Arrow (convert-trace) and the server's tokenizer as a Hugging Face "
+         "directory (export-tokenizer).",
     invoke_without_command=True,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
@@ -16,6 +17,9 @@ bench_app = typer.Typer(
 from hicache_cli.bench import replay_cmd  # noqa: E402
 
 replay_cmd.register(bench_app)
+from hicache_cli.bench import convert_cmd  # noqa: E402
+
+convert_cmd.register(bench_app)
 from hicache_cli.bench import run_cmd  # noqa: E402
 
 run_cmd.register(bench_app)

@@ -39,8 +39,11 @@ def test_sweep_and_plot(tmp_path):
             "--format", "json")
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
+    from engine.sim.sweep import default_policies
+
+    assert "bip" in default_policies()
     assert {(x["policy"], x["l1_tokens"]) for x in d["sweep"]} == {
-        (p, c) for p in ("lru", "lfu", "bip", "opt") for c in (100_000, 400_000)}
+        (p, c) for p in default_policies() for c in (100_000, 400_000)}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -122,3 +125,68 @@ def test_output_paths_are_checked_before_the_replay(tmp_path):
         assert msg in r.stderr and ".tmp-" not in r.stderr
         assert "hit rate" not in r.output        # failed before replaying, not after
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_replay_never_imports_torch():
+    # the metadata-only path (single replay, sweep, conversion) must not pay for torch
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from hicache_cli.app import app\n"
+        "for args in (['bench', 'replay', sys.argv[1], '--limit', '50', '--format', 'json'],\n"
+        "             ['bench', 'replay', sys.argv[1], '--limit', '50', '--sweep', '--capacities',\n"
+        "              '100k', '--policies', 'lru,opt', '--format', 'json'],\n"
+        "             ['bench', 'convert-trace', sys.argv[1], sys.argv[2], '--format', 'json']):\n"
+        "    try:\n"
+        "        app(args)\n"
+        "    except SystemExit as e:\n"
+        "        assert not e.code, e.code\n"
+        "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+        "print('TORCH', loaded)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    out = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"notorch-{os.getpid()}.parquet")
+    try:
+        r = subprocess.run([sys.executable, "-c", script, DATA, out], capture_output=True,
+                           text=True, env=env, timeout=300)
+    finally:
+        if os.path.exists(out):
+            os.unlink(out)
+    assert r.returncode == 0, r.stderr
+    assert "TORCH []" in r.stdout, r.stdout[-2000:]
+
+
+def test_convert_trace_then_replay_parquet(tmp_path):
+    pq = tmp_path / "t.parquet"
+    r = runner.invoke(app, ["bench", "convert-trace", DATA, str(pq), "--format", "json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["requests"] == 400 and pq.read_bytes()[:4] == b"PAR1"
+    a = run(DATA, "--l1-tokens", "200000", "--format", "json")
+    b = run(str(pq), "--l1-tokens", "200000", "--format", "json")
+    assert json.loads(a.stdout)["token_hit_rate"] == json.loads(b.stdout)["token_hit_rate"]
+    bad = runner.invoke(app, ["bench", "convert-trace", DATA, str(tmp_path / "t.csv")])
+    assert bad.exit_code == 2 and ".parquet" in bad.output
+
+
+def test_sweep_policies_from_the_registry():
+    from engine.cache.policy import policy_names
+
+    names = policy_names(include_offline=True)
+    r = run(DATA, "--sweep", "--capacities", "100k", "--limit", "60", "--policies",
+            ",".join(names), "--format", "json")
+    assert r.exit_code == 0, r.output
+    assert [x["policy"] for x in json.loads(r.stdout)["sweep"]] == names
+    bad = run(DATA, "--sweep", "--capacities", "100k", "--policies", "lru,nope")
+    assert bad.exit_code == 2 and "'nope' is not an eviction policy" in bad.output
+    assert run(DATA, "--policies", "lru").exit_code == 2           # needs --sweep
+
+
+def test_flags_read_as_flags_in_help():
+    r = runner.invoke(app, ["bench", "replay", "--help"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0
+    lines = [ln for ln in r.output.splitlines() if "--sweep " in ln or "--no-events" in ln]
+    assert lines and not any("<bool>" in ln for ln in lines)
+    assert "<bool>" not in r.output

@@ -101,3 +101,57 @@ def test_bad_options(tmp_path):
         trace_workload(path, speedup=0)
     with pytest.raises(ValueError, match="block tokens"):
         trace_workload(path, block_tokens_n=513)
+
+
+# ---- columnar traces (Parquet / Arrow) ---------------------------------------------------
+
+@pytest.mark.parametrize("suffix", [".parquet", ".arrow"])
+def test_columnar_round_trip(tmp_path, suffix):
+    from engine.loadgen.trace import load_trace
+    from engine.loadgen.trace_arrow import write_columnar
+
+    lines = LINES + [{"timestamp": 7, "input_length": 5, "output_length": 2,
+                      "hash_ids": [4, 5, 6]}]             # more ids than the input needs
+    src = load_trace(write(tmp_path / "t.jsonl", lines))
+    dst = str(tmp_path / ("t" + suffix))
+    write_columnar(src, dst)
+    back = load_trace(dst)
+    for col in ("timestamps_ms", "input_lengths", "output_lengths", "offsets", "blocks"):
+        assert np.array_equal(getattr(back, col), getattr(src, col)), col
+    assert back.records()[3].hash_ids == (4,)            # cut to the covering blocks
+    assert read_trace(dst, limit=2) == read_trace(write(tmp_path / "u.jsonl", lines), limit=2)
+
+
+def _parquet(path, **cols):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    base = {"timestamp": [0.0, 1.0], "input_length": [600, 10], "output_length": [1, 1],
+            "hash_ids": [[1, 2], [3]]}
+    base.update(cols)
+    pq.write_table(pa.table({k: v for k, v in base.items() if v is not None}), path)
+    return str(path)
+
+
+@pytest.mark.parametrize("cols, msg", [
+    ({"hash_ids": None}, "missing column 'hash_ids'"),
+    ({"input_length": [600, None]}, "'input_length' has empty"),
+    ({"input_length": [600.0, 10.0]}, "'input_length' must hold integers"),
+    ({"input_length": [600, 0]}, "row 2: input_length must be an integer >= 1"),
+    ({"timestamp": [0.0, -3.0]}, "row 2: timestamp"),
+    ({"hash_ids": [[1], [3]]}, "row 1: hash_ids cannot cover"),
+    ({"hash_ids": [[1, 2], [-3]]}, "row 2: hash_ids must be integers"),
+    ({"hash_ids": [["a", "b"], ["c"]]}, "must be a list of integers"),
+])
+def test_columnar_bad_input_names_the_row(tmp_path, cols, msg):
+    path = _parquet(tmp_path / "bad.parquet", **cols)
+    with pytest.raises(InputError, match=msg):
+        read_trace(path)
+
+
+def test_columnar_truncated_file(tmp_path):
+    good = _parquet(tmp_path / "good.parquet")
+    cut = tmp_path / "cut.parquet"
+    cut.write_bytes(open(good, "rb").read()[:60])
+    with pytest.raises(InputError, match="cut.parquet: cannot read trace"):
+        read_trace(str(cut))

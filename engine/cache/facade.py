@@ -25,7 +25,6 @@ from engine.cache.allocator import PageAllocator
 from engine.cache.events import EV, EventLog
 from engine.cache.l3 import L3Tier
 from engine.cache.policy import EvictionPolicy, make_policy
-from engine.cache.pool import DevicePool, HostPool
 from engine.cache.radix_tree import Node, RadixTree
 from engine.cache.tiers import Tier
 from engine.cache.transfer import OpKind, TransferEngine, TransferOp
@@ -58,6 +57,8 @@ class HiCache:
         self.tree = RadixTree(p)
         self.device = resolve_device(config.device) if config.layout is not None else "cpu"
         if config.layout is not None:
+            from engine.cache.pool import DevicePool, HostPool  # torch: only when pools exist
+
             self.l1: DevicePool | None = DevicePool(config.layout, config.l1_pages, self.device)
             self.l1_alloc = self.l1.allocator
             pin = self.device.startswith("cuda")

@@ -18,15 +18,8 @@ import numpy as np
 import torch
 
 from engine.cache.allocator import PageAllocator
-from engine.core.choices import Choice
+from engine.cache.types import HostLayout  # noqa: F401 (re-exported; defined without torch)
 from engine.core.layout import KVLayout
-
-
-class HostLayout(Choice):
-    __what__ = "host layout"
-
-    LAYER_FIRST = "layer_first"
-    PAGE_FIRST = "page_first"
 
 
 def _index(pages: np.ndarray, device: torch.device) -> torch.Tensor:

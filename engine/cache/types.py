@@ -7,15 +7,23 @@ them holds a tree node (ids only), so callers never walk or change the tree them
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from engine.cache.pool import HostLayout
 from engine.cache.radix_tree import TOKEN_DTYPE
 from engine.cache.transfer import TransferOp
 from engine.core.choices import Choice
-from engine.core.layout import KVLayout
+
+if TYPE_CHECKING:  # the layout module imports torch; a metadata-only cache never needs it
+    from engine.core.layout import KVLayout
+
+
+class HostLayout(Choice):
+    __what__ = "host layout"
+
+    LAYER_FIRST = "layer_first"
+    PAGE_FIRST = "page_first"
 
 
 class WritePolicy(Choice):

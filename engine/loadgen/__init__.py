@@ -1,14 +1,37 @@
 """Load generator for the benchmark server: workloads, the async HTTP driver and the report.
 
-``engine.loadgen.workloads`` (multiturn, agentic), ``engine.loadgen.trace`` (Mooncake replay),
-``engine.loadgen.driver`` (``run_load``), ``engine.loadgen.report`` (``summarize``).
+``engine.loadgen.workloads`` (multiturn, agentic), ``engine.loadgen.trace`` (Mooncake traces:
+JSONL parsing, the columnar :class:`~engine.loadgen.trace.Trace`, replay workloads),
+``engine.loadgen.trace_arrow`` (traces as Parquet/Arrow files), ``engine.loadgen.driver``
+(``run_load``), ``engine.loadgen.report`` (``summarize``).
+
+The names below are imported on first use: reading a trace does not load the HTTP client.
 """
 
-from engine.loadgen.driver import LoadConfig, LoadResult, RequestRecord, run_load
-from engine.loadgen.report import summarize, summarize_result
-from engine.loadgen.trace import read_trace, trace_workload
-from engine.loadgen.workloads import RequestSpec, Workload, agentic, multiturn
+from __future__ import annotations
 
-__all__ = ["LoadConfig", "LoadResult", "RequestRecord", "RequestSpec", "Workload", "agentic",
-           "multiturn", "read_trace", "run_load", "summarize", "summarize_result",
-           "trace_workload"]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "LoadConfig": "engine.loadgen.driver",
+    "LoadResult": "engine.loadgen.driver",
+    "RequestRecord": "engine.loadgen.driver",
+    "run_load": "engine.loadgen.driver",
+    "summarize": "engine.loadgen.report",
+    "summarize_result": "engine.loadgen.report",
+    "read_trace": "engine.loadgen.trace",
+    "trace_workload": "engine.loadgen.trace",
+    "RequestSpec": "engine.loadgen.workloads",
+    "Workload": "engine.loadgen.workloads",
+    "agentic": "engine.loadgen.workloads",
+    "multiturn": "engine.loadgen.workloads",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'engine.loadgen' has no attribute {name!r}")
+    return getattr(importlib.import_module(mod), name)

@@ -1,4 +1,4 @@
-"""Mooncake trace replay (FAST'25 JSONL, plain or ``.gz``).
+"""Mooncake traces (FAST'25 JSONL, plain or ``.gz``; or Parquet/Arrow columns) and their replay.
 
 Each line is ``{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}``,
 where ``hash_ids`` are *prefix* hashes of 512-token blocks: equal ids mean an identical prefix up
@@ -20,6 +20,7 @@ import io
 import json
 import math
 import os
+from typing import Iterable
 
 import numpy as np
 
@@ -30,6 +31,7 @@ TRACE_BLOCK = 512
 MAX_LINE_BYTES = 4 << 20
 MAX_INPUT_LENGTH = 4_000_000
 MAX_REQUESTS = 1_000_000
+MAX_BLOCK_ID = 1 << 48
 
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
@@ -56,18 +58,69 @@ class TraceRecord:
     hash_ids: tuple[int, ...]
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Trace:
+    """A parsed trace as columns: one row per request, the block ids of all requests in one
+    flat array (request ``i`` owns ``blocks[offsets[i]:offsets[i + 1]]``, exactly the blocks that
+    cover its input). Cheap to slice, to share with worker processes and to store as Parquet."""
+
+    name: str
+    timestamps_ms: np.ndarray      # float64
+    input_lengths: np.ndarray      # int64
+    output_lengths: np.ndarray     # int64
+    offsets: np.ndarray            # int64, len(self) + 1
+    blocks: np.ndarray             # int64
+
+    def __len__(self) -> int:
+        return len(self.input_lengths)
+
+    def hash_ids(self, i: int) -> np.ndarray:
+        return self.blocks[self.offsets[i]:self.offsets[i + 1]]
+
+    def head(self, n: int | None) -> "Trace":
+        """The first ``n`` requests (all of them for ``None``)."""
+        if n is None or n >= len(self):
+            return self
+        return Trace(self.name, self.timestamps_ms[:n], self.input_lengths[:n],
+                     self.output_lengths[:n], self.offsets[:n + 1],
+                     self.blocks[:int(self.offsets[n])])
+
+    def records(self) -> list[TraceRecord]:
+        ids = self.blocks.tolist()
+        offs = self.offsets.tolist()
+        return [TraceRecord(ts, n_in, n_out, tuple(ids[offs[i]:offs[i + 1]]))
+                for i, (ts, n_in, n_out) in enumerate(zip(self.timestamps_ms.tolist(),
+                                                          self.input_lengths.tolist(),
+                                                          self.output_lengths.tolist()))]
+
+    @classmethod
+    def from_records(cls, records: Iterable[TraceRecord], name: str = "records") -> "Trace":
+        recs = list(records)
+        lens = [len(r.hash_ids) for r in recs]
+        offsets = np.zeros(len(recs) + 1, dtype=np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        blocks = np.fromiter((b for r in recs for b in r.hash_ids), dtype=np.int64,
+                             count=int(offsets[-1]))
+        return cls(name, np.array([r.timestamp_ms for r in recs], dtype=np.float64),
+                   np.array([r.input_length for r in recs], dtype=np.int64),
+                   np.array([r.output_length for r in recs], dtype=np.int64), offsets, blocks)
+
+
 def _open_text(path: str) -> io.TextIOBase:
-    if not os.path.exists(path):
-        raise FileNotFoundError(2, "No such file or directory", path)
-    if os.path.isdir(path):
-        raise IsADirectoryError(21, "Is a directory", path)
     with open(path, "rb") as f:
         magic = f.read(2)
     raw = gzip.open(path, "rb") if magic == b"\x1f\x8b" else open(path, "rb")
     return io.TextIOWrapper(raw, encoding="utf-8", errors="strict")
 
 
-def _parse(line: str, where: str) -> TraceRecord:
+def _check_path(path: str) -> None:
+    if not os.path.exists(path):
+        raise FileNotFoundError(2, "No such file or directory", path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(21, "Is a directory", path)
+
+
+def _parse(line: str, where: str) -> tuple[float, int, int, list[int]]:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -78,55 +131,88 @@ def _parse(line: str, where: str) -> TraceRecord:
         raise InputError(f"{where}: not JSON this reader accepts ({str(exc)[:80]})") from None
     if not isinstance(obj, dict):
         raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    for key in ("timestamp", "input_length", "output_length", "hash_ids"):
-        if key not in obj:
-            raise InputError(f"{where}: missing field {key!r}")
-    ts, n_in, n_out, ids = (obj["timestamp"], obj["input_length"], obj["output_length"],
-                            obj["hash_ids"])
+    try:
+        ts, n_in, n_out, ids = (obj["timestamp"], obj["input_length"], obj["output_length"],
+                                obj["hash_ids"])
+    except KeyError as exc:
+        raise InputError(f"{where}: missing field {exc.args[0]!r}") from None
     if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
         raise InputError(f"{where}: timestamp must be a number >= 0, got {ts!r}")
     for key, v, lo in (("input_length", n_in, 1), ("output_length", n_out, 0)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        if type(v) is not int or v < lo:
             raise InputError(f"{where}: {key} must be an integer >= {lo}, got {v!r}")
     if n_in > MAX_INPUT_LENGTH:
         raise InputError(f"{where}: input_length {n_in} exceeds the limit {MAX_INPUT_LENGTH}")
-    if not isinstance(ids, list) or not all(
-            isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 2**48 for b in ids):
-        raise InputError(f"{where}: hash_ids must be a list of integers in [0, 2**48)")
     need = -(-n_in // TRACE_BLOCK)
+    if not isinstance(ids, list) or not all(type(b) is int for b in ids) or (
+            ids and (min(ids) < 0 or max(ids) >= MAX_BLOCK_ID)):
+        raise InputError(f"{where}: hash_ids must be a list of integers in [0, 2**48)")
     if len(ids) < need:
         raise InputError(f"{where}: {len(ids)} hash_ids cannot cover input_length {n_in} "
                          f"(need {need} blocks of {TRACE_BLOCK})")
-    return TraceRecord(float(ts), n_in, n_out, tuple(ids[:need]))
+    return float(ts), n_in, n_out, ids[:need]
 
 
-def read_trace(path: str, limit: int | None = None) -> list[TraceRecord]:
-    """Parse a Mooncake trace; the first bad line raises ``InputError`` naming file and line."""
+def _load_jsonl(path: str, cap: int) -> Trace:
+    name = os.path.basename(path)
+    ts: list[float] = []
+    n_in: list[int] = []
+    n_out: list[int] = []
+    lens: list[int] = []
+    blocks: list[int] = []
+    with _open_text(path) as f:
+        for lineno, line in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), ""), 1):
+            if len(line) > MAX_LINE_BYTES:
+                raise InputError(f"{name}:{lineno}: line longer than {MAX_LINE_BYTES} bytes")
+            if lineno > MAX_REQUESTS:    # blank lines count against the limit too
+                break
+            if not line.strip():
+                continue
+            t, i, o, ids = _parse(line, f"{name}:{lineno}")
+            ts.append(t)
+            n_in.append(i)
+            n_out.append(o)
+            lens.append(len(ids))
+            blocks.extend(ids)
+            if len(ts) >= cap:
+                break
+    offsets = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    return Trace(name, np.array(ts, dtype=np.float64), np.array(n_in, dtype=np.int64),
+                 np.array(n_out, dtype=np.int64), offsets, np.array(blocks, dtype=np.int64))
+
+
+def load_trace(path: str, limit: int | None = None) -> Trace:
+    """Parse a trace into columns: Mooncake JSONL (plain or gzip), or the Parquet / Arrow file
+    ``hicache bench convert-trace`` writes (told apart by their first bytes, not the name).
+    The first bad line raises ``InputError`` naming file and line (row for columnar files)."""
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
     cap = MAX_REQUESTS if limit is None else min(limit, MAX_REQUESTS)
-    out: list[TraceRecord] = []
+    _check_path(path)
     name = os.path.basename(path)
     try:
-        with _open_text(path) as f:
-            for lineno, line in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), ""), 1):
-                if len(line) > MAX_LINE_BYTES:
-                    raise InputError(f"{name}:{lineno}: line longer than {MAX_LINE_BYTES} bytes")
-                if lineno > MAX_REQUESTS:    # blank lines count against the limit too
-                    break
-                if not line.strip():
-                    continue
-                out.append(_parse(line, f"{name}:{lineno}"))
-                if len(out) >= cap:
-                    break
+        with open(path, "rb") as f:
+            magic = f.read(6)
+        if magic[:4] == b"PAR1" or magic == b"ARROW1":
+            from engine.loadgen.trace_arrow import read_columnar
+
+            trace = read_columnar(path, cap, parquet=magic[:4] == b"PAR1")
+        else:
+            trace = _load_jsonl(path, cap)
     except (gzip.BadGzipFile, EOFError, UnicodeDecodeError, OSError) as exc:
         if isinstance(exc, (FileNotFoundError, IsADirectoryError, PermissionError)):
             raise
         raise InputError(f"{name}: cannot read trace ({exc})") from None
-    if not out:
+    if not len(trace):
         raise InputError(f"{name}: the trace holds no requests (in its first "
                          f"{MAX_REQUESTS:,} lines)")
-    return out
+    return trace
+
+
+def read_trace(path: str, limit: int | None = None) -> list[TraceRecord]:
+    """:func:`load_trace` as one :class:`TraceRecord` per request."""
+    return load_trace(path, limit).records()
 
 
 class _OneShot:

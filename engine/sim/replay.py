@@ -8,30 +8,120 @@ use, so hit rates are comparable. Only cache operations are timed (``cache_secon
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from engine.cache.events import EventLog
 from engine.cache.facade import CacheConfig, HiCache
-from engine.cache.policy import Belady, next_occurrence
+from engine.cache.policy import Belady
 from engine.core.errors import InputError, OutOfCapacity
+
+if TYPE_CHECKING:
+    from engine.loadgen.trace import Trace
 
 TRACE_BLOCK = 512
 CP_KV = ("sharded", "replicated")
+_BLOCK_TOKENS = np.arange(TRACE_BLOCK, dtype=np.uint32)
+_MAX_BLOCKS = (1 << 32) // TRACE_BLOCK          # block ids whose tokens fit in 32 bits
 
 
 def trace_tokens(hash_ids: Sequence[int], input_length: int) -> np.ndarray:
     """Tokens of one trace request: block ``b`` → ``b*512 … b*512+511``, cut at the length."""
     ids = np.asarray(hash_ids, dtype=np.int64)
-    if ids.size and int(ids.max()) >= (1 << 32) // TRACE_BLOCK:
+    if ids.size and int(ids.max()) >= _MAX_BLOCKS:
         raise InputError(f"hash id {int(ids.max())} is too large: the replay maps block b to "
                          f"tokens b*{TRACE_BLOCK}…, which must fit in 32 bits (hash ids below "
-                         f"{(1 << 32) // TRACE_BLOCK})")
-    toks = (ids[:, None] * TRACE_BLOCK + np.arange(TRACE_BLOCK, dtype=np.int64)).reshape(-1)
-    return toks[:input_length].astype(np.uint32)
+                         f"{_MAX_BLOCKS})")
+    return _tokens(ids.astype(np.uint32) * np.uint32(TRACE_BLOCK), input_length)
+
+
+def _tokens(bases: np.ndarray, input_length: int) -> np.ndarray:
+    return (bases[:, None] + _BLOCK_TOKENS).reshape(-1)[:input_length]
+
+
+class ReplayInput:
+    """A trace made ready to replay, once per command and shared by every run over it: block
+    ids as 32-bit token bases (renumbered when too large) and, on demand, the future index
+    Belady's ``opt`` policy needs for one page size. Token arrays are made per request while
+    replaying, so memory stays at the trace's size."""
+
+    def __init__(self, trace: "Trace | Iterable"):
+        from engine.loadgen.trace import Trace
+
+        self.trace = trace if isinstance(trace, Trace) else Trace.from_records(trace)
+        blocks = self.trace.blocks
+        if blocks.size and int(blocks.max()) >= _MAX_BLOCKS:
+            # Block ids too large for 32-bit tokens: renumber them densely by first appearance.
+            # Only equality of blocks matters to a prefix cache, so hit rates are unchanged.
+            uniq, first, inverse = np.unique(blocks, return_index=True, return_inverse=True)
+            if len(uniq) >= _MAX_BLOCKS:
+                raise InputError(f"the trace has {len(uniq)} distinct blocks; at most "
+                                 f"{_MAX_BLOCKS} fit in 32-bit token ids")
+            rank = np.empty(len(uniq), dtype=np.int64)
+            rank[np.argsort(first, kind="stable")] = np.arange(len(uniq))
+            blocks = rank[inverse.reshape(-1)]
+        self.bases = blocks.astype(np.uint32) * np.uint32(TRACE_BLOCK)
+        self._futures: dict[int, tuple] = {}
+        self._page_ends: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def __len__(self) -> int:
+        return len(self.trace)
+
+    def requests(self, limit: int | None = None) -> Iterator[np.ndarray]:
+        """Each request's tokens, made as it is reached."""
+        offs = self.trace.offsets.tolist()
+        lens = self.trace.input_lengths.tolist()
+        bases = self.bases
+        for i in range(len(lens) if limit is None else min(limit, len(lens))):
+            yield _tokens(bases[offs[i]:offs[i + 1]], lens[i])
+
+    def page_ends(self, page_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """The last token of every full page of every request, flat, and where each request's
+        pages start (``starts[i]:starts[i + 1]``). A page's last token names the page: with
+        prefix-hash block ids it fixes the block, the offset and so every token of the page."""
+        if page_size not in self._page_ends:
+            offsets, lens = self.trace.offsets, self.trace.input_lengths
+            n_full = lens // page_size
+            starts = np.zeros(len(lens) + 1, dtype=np.int64)
+            np.cumsum(n_full, out=starts[1:])
+            req = np.repeat(np.arange(len(lens), dtype=np.int64), n_full)
+            pos = (np.arange(len(req), dtype=np.int64) - starts[req] + 1) * page_size - 1
+            tok = self.bases[offsets[req] + pos // TRACE_BLOCK] \
+                + (pos % TRACE_BLOCK).astype(np.uint32)
+            self._page_ends[page_size] = (tok, starts)
+        return self._page_ends[page_size]
+
+    def page_requests(self, page_size: int, limit: int | None = None) -> Iterator[np.ndarray]:
+        """Each request as one token per full page (its last token): the page-level replay."""
+        tok, starts = self.page_ends(page_size)
+        st = starts.tolist()
+        for i in range(len(self) if limit is None else min(limit, len(self))):
+            yield tok[st[i]:st[i + 1]]
+
+    def future(self, page_size: int) -> tuple:
+        """For each page (named by its last token): the sorted requests that hold it, as
+        ``(index, starts, reqs)``: page ``t``'s requests are ``reqs[starts[g]:starts[g + 1]]``
+        for ``g = index[t]``. Built with array operations, kept per page size."""
+        if page_size not in self._futures:
+            self._futures[page_size] = _future_index(self, page_size)
+        return self._futures[page_size]
+
+
+def _future_index(inp: ReplayInput, p: int) -> tuple:
+    tok, starts = inp.page_ends(p)
+    req = np.repeat(np.arange(len(inp), dtype=np.int64), np.diff(starts))
+    order = np.argsort(tok, kind="stable")                  # by token, requests stay sorted
+    tok, req = tok[order], req[order]
+    keep = np.ones(len(tok), dtype=bool)
+    keep[1:] = (tok[1:] != tok[:-1]) | (req[1:] != req[:-1])
+    tok, req = tok[keep], req[keep]
+    head = np.flatnonzero(np.r_[True, tok[1:] != tok[:-1]]) if len(tok) else np.empty(0, int)
+    index = dict(zip(tok[head].tolist(), range(len(head))))
+    return index, head.tolist() + [len(tok)], req.tolist()
 
 
 @dataclasses.dataclass
@@ -89,34 +179,31 @@ class ReplayResult:
         }
 
 
-def _opt_policy(requests: list[np.ndarray], page_size: int, clock: list[int]) -> Belady:
+def _opt_policy(inp: ReplayInput, page_size: int, clock: list[int], name_at: int) -> Belady:
     """Belady over the trace's future: a page is named by its last token, which — with the
-    trace's prefix-hash block ids — identifies the whole prefix up to that page."""
-    occ: dict[int, list[int]] = {}
-    for i, toks in enumerate(requests):
-        n = len(toks) // page_size
-        if n == 0:
-            continue
-        for t in toks[page_size - 1:n * page_size:page_size].tolist():
-            lst = occ.get(t)
-            if lst is None:
-                occ[t] = [i]
-            elif lst[-1] != i:
-                lst.append(i)
-    empty: list[int] = []
+    trace's prefix-hash block ids — identifies the whole prefix up to that page. A node is
+    named by its first page, whose last token is ``node.tokens[name_at]``."""
+    index, starts, reqs = inp.future(page_size)
+    get = index.get
 
     def next_use(node) -> int | None:
-        return next_occurrence(occ.get(int(node.tokens[page_size - 1]), empty), clock[0])
+        g = get(int(node.tokens[name_at]))
+        if g is None:
+            return None
+        hi = starts[g + 1]
+        i = bisect.bisect_right(reqs, clock[0], starts[g], hi)
+        return reqs[i] if i < hi else None
 
     return Belady(next_use)
 
 
-def _make_cache(cfg: ReplayConfig, events: EventLog, policy) -> HiCache:
+def _make_cache(cfg: ReplayConfig, events: EventLog, policy, unit: int = 1) -> HiCache:
     """The cache stack a replay drives. With ``cp_size`` N > 1 the tier budgets are per rank:
     ``sharded`` wraps the facade in :class:`~engine.parallel.cp_cache.CPCache` (each page on one
     owner rank: N x the device and host pages); ``replicated`` keeps every device page on every
     rank (device capacity = one rank's budget) over a host pool deduplicated across the ranks
-    (N x the host budget) — the baseline of docs/parallelism.md §1."""
+    (N x the host budget) — the baseline of docs/parallelism.md §1. ``unit``: tokens per
+    replayed token (the page size in a page-level replay)."""
     from engine.parallel.cp_cache import CPCache
 
     n = cfg.cp_size
@@ -126,8 +213,9 @@ def _make_cache(cfg: ReplayConfig, events: EventLog, policy) -> HiCache:
     replicated = n > 1 and cfg.cp_kv == "replicated"
     if n > 1 and not replicated and cfg.l3_tokens:
         raise ValueError("an L3 tier with CP-sharded KV is not simulated (drop --l3-tokens)")
-    cache_cfg = CacheConfig(page_size=cfg.page_size, l1_tokens=cfg.l1_tokens,
-                            l2_tokens=cfg.l2_tokens * n if replicated else cfg.l2_tokens,
+    l2_tokens = cfg.l2_tokens * n if replicated else cfg.l2_tokens
+    cache_cfg = CacheConfig(page_size=cfg.page_size // unit, l1_tokens=cfg.l1_tokens // unit,
+                            l2_tokens=l2_tokens // unit,
                             eviction_policy="lru" if cfg.policy == "opt" else cfg.policy,
                             write_policy=cfg.write_policy, layout=None, events=cfg.events)
     if n > 1 and not replicated:
@@ -135,41 +223,60 @@ def _make_cache(cfg: ReplayConfig, events: EventLog, policy) -> HiCache:
     return HiCache(cache_cfg, events=events, policy=policy)
 
 
-def replay(records: Iterable, cfg: ReplayConfig, *,
+def replay(records: "ReplayInput | Trace | Iterable", cfg: ReplayConfig, *,
            events: EventLog | None = None,
            progress: Callable[[int], None] | None = None,
-           keep_cache: bool = False) -> "tuple[ReplayResult, HiCache | None]":
-    """Replay trace ``records`` (objects with ``hash_ids`` and ``input_length``)."""
-    recs = list(records)
-    if cfg.limit is not None:
-        recs = recs[:cfg.limit]
-    limit = (1 << 32) // TRACE_BLOCK
-    remap: dict[int, int] | None = None
-    if any(r.hash_ids and max(r.hash_ids) >= limit for r in recs):
-        # Block ids too large for 32-bit tokens: renumber them densely by first appearance.
-        # Only equality of blocks matters to a prefix cache, so hit rates are unchanged.
-        remap = {}
-        for r in recs:
-            for b in r.hash_ids:
-                remap.setdefault(b, len(remap))
-        if len(remap) >= limit:
-            raise InputError(f"the trace has {len(remap)} distinct blocks; at most {limit} fit "
-                             f"in 32-bit token ids")
-    requests = []
-    for r in recs:
-        ids = r.hash_ids if remap is None else [remap[b] for b in r.hash_ids]
-        requests.append(trace_tokens(ids, r.input_length))
+           keep_cache: bool = False,
+           page_level: bool = False) -> "tuple[ReplayResult, HiCache | None]":
+    """Replay a trace (a :class:`ReplayInput`, a :class:`~engine.loadgen.trace.Trace`, or
+    records with ``hash_ids`` and ``input_length``) through a metadata-only cache.
+
+    ``page_level``: replay one token per page (the page's last token) through a cache of page
+    size 1 with the same number of pages. The tree, every eviction and so every hit are the
+    same as the token-level replay's (only full pages are ever cached, and a page's last token
+    names its content), at a fraction of the work; hits and stats are reported in tokens. It
+    records no events and keeps no cache: a sweep's mode."""
+    inp = records if isinstance(records, ReplayInput) else ReplayInput(records)
+    n_req = len(inp) if cfg.limit is None else min(cfg.limit, len(inp))
     p = cfg.page_size
+    if page_level and (cfg.events or events is not None or keep_cache or cfg.cp_size != 1):
+        raise ValueError("a page-level replay records no events, keeps no cache and has one "
+                         "rank")
+    unit = p if page_level else 1                          # tokens per replayed token
     clock = [0]
-    policy = _opt_policy(requests, p, clock) if cfg.policy == "opt" else None
+    policy = (_opt_policy(inp, p, clock, 0 if page_level else p - 1)
+              if cfg.policy == "opt" else None)
     if events is None:
         events = EventLog(enabled=cfg.events)
-    cache = _make_cache(cfg, events, policy)
+    cache = _make_cache(cfg, events, policy, unit)
     if cfg.l3_tokens:
         from engine.cache.l3 import SimulatedTier
 
         cache.attach_l3(SimulatedTier(-1 if cfg.l3_tokens < 0 else cfg.l3_tokens // p))
-    hit = l1 = l2 = l3 = total = uncacheable = 0
+    requests = inp.page_requests(p, n_req) if page_level else inp.requests(n_req)
+    (l1, l2, l3, uncacheable), elapsed = _drive(cache, requests, events, clock, progress)
+    l1, l2, l3 = l1 * unit, l2 * unit, l3 * unit
+    total = int(inp.trace.input_lengths[:n_req].sum())
+    stats = cache.stats()
+    if page_level:
+        stats = {k: v * unit if k.endswith("_tokens") and isinstance(v, int) else v
+                 for k, v in stats.items()}
+        stats["page_size"] = p
+        stats["match_tokens"] = total              # the partial last pages were matched too
+    result = ReplayResult(
+        requests=n_req, input_tokens=total, hit_tokens=l1 + l2 + l3, l1_hit_tokens=l1,
+        l2_hit_tokens=l2, l3_hit_tokens=l3, uncacheable_requests=uncacheable,
+        cache_seconds=elapsed, config=dataclasses.asdict(cfg), stats=stats,
+        events=len(events))
+    return result, (cache if keep_cache else None)
+
+
+def _drive(cache: HiCache, requests: Iterable[np.ndarray], events: EventLog, clock: list[int],
+           progress: Callable[[int], None] | None) -> tuple[tuple[int, int, int, int], float]:
+    """The request loop: match → lock → load-back → alloc → insert → unlock → poll. Returns
+    the L1/L2/L3 hit lengths and uncacheable requests, and the seconds spent in the cache."""
+    p = cache.page_size
+    l1 = l2 = l3 = uncacheable = 0
     perf = time.perf_counter
     elapsed = 0.0
     empty = np.empty(0, dtype=np.int64)
@@ -193,16 +300,9 @@ def replay(records: Iterable, cfg: ReplayConfig, *,
         cache.unlock(receipt)
         cache.poll()
         elapsed += perf() - t0
-        total += len(toks)
         l1 += m.l1_len
         l2 += m.l2_len
         l3 += m.l3_len
         if progress is not None:
             progress(i + 1)
-    hit = l1 + l2 + l3
-    result = ReplayResult(
-        requests=len(requests), input_tokens=total, hit_tokens=hit, l1_hit_tokens=l1,
-        l2_hit_tokens=l2, l3_hit_tokens=l3, uncacheable_requests=uncacheable,
-        cache_seconds=elapsed, config=dataclasses.asdict(cfg), stats=cache.stats(),
-        events=len(events))
-    return result, (cache if keep_cache else None)
+    return (l1, l2, l3, uncacheable), elapsed

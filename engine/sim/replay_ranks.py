@@ -39,7 +39,7 @@ def _rank_main(rank: int, run: RankRun, port: int, out: Any) -> None:
     import torch.distributed as dist
 
     from engine.cache.events import EventLog, RankInfo
-    from engine.loadgen.trace import read_trace
+    from engine.loadgen.trace import load_trace
     from engine.parallel.consensus_online import OnlineConsensus, RankConsensusError, consensus_group
     from engine.parallel.divergence import install
     from engine.sim.replay import replay
@@ -62,7 +62,7 @@ def _rank_main(rank: int, run: RankRun, port: int, out: Any) -> None:
             group = consensus_group(info)
             online = OnlineConsensus(log, group, every=run.online_every,
                                      log_dir=run.rank_log_dir or ".")
-        records = read_trace(run.trace, run.config.limit)
+        records = load_trace(run.trace, run.config.limit)
         step_hook = (lambda i: online.step_done(i - 1)) if online is not None else None
         try:
             res, cache = replay(records, run.config, events=log, progress=step_hook,

@@ -97,8 +97,9 @@ def register(bench_app: typer.Typer) -> None:
     @bench_app.command("replay")
     @handle_errors
     def replay_cmd(
-        trace: Path = typer.Argument(..., help="Mooncake JSONL trace (plain or .gz): "
-                                     "timestamp, input_length, output_length, hash_ids."),
+        trace: Path = typer.Argument(..., help="Mooncake JSONL trace (plain or .gz: timestamp, "
+                                     "input_length, output_length, hash_ids), or the Parquet/"
+                                     "Arrow file `hicache bench convert-trace` writes."),
         page_size: int = typer.Option(64, "--page-size", help="Tokens per KV page."),
         l1_tokens: int = typer.Option(5_120_000, "--l1-tokens", help="L1 (device) capacity."),
         l2_tokens: int = typer.Option(0, "--l2-tokens", help="L2 (host) capacity; 0 = no L2."),
@@ -110,8 +111,13 @@ def register(bench_app: typer.Typer) -> None:
                                          help="L1->L2 write policy: write_through, "
                                               "write_through_selective, write_back."),
         limit: Optional[int] = typer.Option(None, "--limit", help="Replay the first N requests."),
-        sweep: bool = typer.Option(False, "--sweep", help="Sweep L1 capacity for lru, lfu, bip and "
-                                   "opt (L2 off) instead of one run."),
+        sweep: bool = typer.Option(False, "--sweep", help="Sweep L1 capacity for the eviction "
+                                   "policies (L2 off) instead of one run, on all cores."),
+        policies: Optional[str] = typer.Option(
+            None, "--policies", help="With --sweep: any registered policies, e.g. 'lru,opt' "
+                                     "(default: all but priority, which a trace cannot drive)."),
+        jobs: Optional[int] = typer.Option(None, "--jobs", min=1, help="With --sweep: worker "
+                                           "processes (default: one per core)."),
         capacities: Optional[str] = typer.Option(
             None, "--capacities", help="Sweep points, e.g. '640k,1.28m,2.56m' (default: "
                                        "--l1-tokens x 1/8 … 4)."),
@@ -153,7 +159,7 @@ def register(bench_app: typer.Typer) -> None:
         Example: hicache bench replay trace.jsonl.gz --page-size 64 --l1-tokens 5120000
         """
         from engine.cache.policy import policy_names
-        from engine.loadgen.trace import read_trace
+        from engine.loadgen.trace import load_trace
         from engine.sim.replay import ReplayConfig
 
         _positive("--page-size", page_size, allow_zero=False)
@@ -193,47 +199,20 @@ def register(bench_app: typer.Typer) -> None:
                 inject_divergence, fmt, dump_tree)
             return
 
-        records = read_trace(str(trace), limit)
+        if (policies is not None or jobs is not None) and not sweep:
+            fail("--policies and --jobs need --sweep", code=2)
+        records = load_trace(str(trace), limit)
         show_progress = fmt is OutputFormat.human or progress
 
         if sweep:
-            caps = _parse_capacities(capacities) if capacities else \
-                sorted({max(page_size, int(l1_tokens * f)) for f in
-                        (0.125, 0.25, 0.5, 1, 2, 4)})
-            small = [c for c in caps if c < page_size]
-            if small:
-                fail(f"--capacities: {small[0]} tokens hold no page of {page_size} tokens",
-                     code=2)
-            rows = []
-            for pol in ("lru", "lfu", "bip", "opt"):
-                for cap in caps:
-                    res, _ = _replay(records, ReplayConfig(page_size=page_size, l1_tokens=cap,
-                                                           l2_tokens=0, policy=pol,
-                                                           limit=limit, events=not no_events))
-                    d = res.to_dict()
-                    rows.append({"policy": pol, "l1_tokens": cap,
-                                 "token_hit_rate": d["token_hit_rate"],
-                                 "cache_seconds": d["cache_seconds"]})
-                    if show_progress:
-                        stderr.print(f"  {pol:4s} {cap:>12,d} tokens: hit rate "
-                                     f"{d['token_hit_rate']:.4f}")
-            if plot is not None:
-                _plot(rows, plot, os.path.basename(str(trace)), page_size)
-            if fmt is OutputFormat.json:
-                emit_json({"trace": str(trace), "requests": len(records[:limit] if limit
-                                                                  else records),
-                           "page_size": page_size, "sweep": rows,
-                           "plot": str(plot) if plot else None})
-            else:
-                _print_sweep(rows)
-                if plot is not None:
-                    stdout.print(f"plot written to {plot}")
+            _sweep(trace, records, page_size, l1_tokens, capacities, policies, jobs, plot, fmt,
+                   show_progress)
             return
 
         cfg = ReplayConfig(page_size=page_size, l1_tokens=l1_tokens, l2_tokens=l2_tokens,
                            l3_tokens=l3_tokens, policy=policy, write_policy=write_policy, limit=limit,
                            events=not no_events, cp_size=cp, cp_kv=cp_kv)
-        n = len(records) if limit is None else min(limit, len(records))
+        n = len(records)
         from engine.cache.events import EventLog, RankInfo
         from engine.parallel.divergence import install
 
@@ -281,14 +260,72 @@ def register(bench_app: typer.Typer) -> None:
             _print_result(out)
 
 
+def _parse_policies(text: str) -> list[str]:
+    from engine.cache.policy import policy_names
+
+    known = policy_names(include_offline=True)
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in names if p not in known]
+    if bad or not names:
+        fail(f"--policies: {bad[0]!r} is not an eviction policy; choose from {', '.join(known)}"
+             if bad else "--policies: name at least one policy", code=2)
+    return list(dict.fromkeys(names))
+
+
+def _sweep(trace: Path, records, page_size: int, l1_tokens: int, capacities: Optional[str],
+           policies: Optional[str], jobs: Optional[int], plot: Optional[Path], fmt: OutputFormat, show_progress: bool) -> None:
+    from engine.sim.replay import ReplayInput
+    from engine.sim.sweep import default_capacities, default_policies, run_sweep, sweep_points
+
+    caps = _parse_capacities(capacities) if capacities else \
+        default_capacities(l1_tokens, page_size)
+    small = [c for c in caps if c < page_size]
+    if small:
+        fail(f"--capacities: {small[0]} tokens hold no page of {page_size} tokens", code=2)
+    pols = _parse_policies(policies) if policies is not None else default_policies()
+    points = sweep_points(pols, caps)
+    inp = ReplayInput(records)
+    try:
+        if show_progress:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+            # no refresh thread: the sweep forks its workers, so the bar redraws per point
+            with Progress("[progress.description]{task.description}", BarColumn(),
+                          MofNCompleteColumn(), TimeElapsedColumn(), console=stderr,
+                          transient=True, auto_refresh=False) as bar:
+                task = bar.add_task("sweep points", total=len(points))
+                bar.refresh()
+
+                def done(row) -> None:
+                    bar.advance(task)
+                    bar.refresh()
+
+                rows = run_sweep(inp, points, page_size, jobs=jobs, on_point=done)
+        else:
+            rows = run_sweep(inp, points, page_size, jobs=jobs)
+    except MemoryError:
+        fail(f"not enough memory for the metadata of {max(caps) // page_size:,} pages; use "
+             f"smaller capacities")
+    rows = [r.to_dict() for r in rows]
+    if plot is not None:
+        _plot(rows, plot, os.path.basename(str(trace)), page_size)
+    if fmt is OutputFormat.json:
+        emit_json({"trace": str(trace), "requests": len(records), "page_size": page_size,
+                   "sweep": rows, "plot": str(plot) if plot else None})
+    else:
+        _print_sweep(rows)
+        if plot is not None:
+            stdout.print(f"plot written to {plot}")
+
+
 def _multi_rank(trace: Path, ranks: int, cfg, rank_log_dir: Optional[Path], every: int,
                 inject: Optional[str], fmt: OutputFormat, dump_dir: Optional[Path]) -> None:
-    from engine.loadgen.trace import read_trace
+    from engine.loadgen.trace import load_trace
     from engine.parallel.divergence import parse_spec
     from engine.sim.replay_ranks import RankRun, replay_ranks
     from hicache_cli.output import EXIT_CHECK, EXIT_ERROR
 
-    read_trace(str(trace), cfg.limit)        # fail fast, in this process, on a bad trace
+    load_trace(str(trace), cfg.limit)        # fail fast, in this process, on a bad trace
     if inject:
         parse_spec(inject)
     if every and rank_log_dir is None:

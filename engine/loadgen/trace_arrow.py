@@ -1,0 +1,161 @@
+"""Traces as columns on disk: Parquet (``.parquet``) or Arrow IPC (``.arrow`` / ``.feather``).
+
+The schema is the JSONL trace's, one row per request: ``timestamp`` (float64, ms),
+``input_length`` and ``output_length`` (int64) and ``hash_ids`` (list<int64>, cut to the blocks
+that cover the input). Reading one skips JSON parsing entirely: the list column's offsets and
+values become :class:`~engine.loadgen.trace.Trace`'s ``offsets`` and ``blocks`` without a copy.
+A columnar file is untrusted input like any trace: its size is bounded before it is read and
+every column is checked (types, nulls, ranges, coverage) with the first bad row named.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from engine.core.errors import InputError
+from engine.loadgen.trace import (
+    MAX_BLOCK_ID,
+    MAX_INPUT_LENGTH,
+    TRACE_BLOCK,
+    Trace,
+)
+
+COLUMNS = ("timestamp", "input_length", "output_length", "hash_ids")
+MAX_COLUMNAR_BYTES = 4 << 30          # decoded size we accept from one file
+SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".feather": "arrow"}
+
+
+def columnar_kind(path: str) -> str | None:
+    """``parquet`` / ``arrow`` for a path whose suffix names a columnar format, else None."""
+    return SUFFIXES.get(os.path.splitext(path)[1].lower())
+
+
+def _batches(path: str, cap: int, parquet: bool):
+    """Record batches of the file's first ``cap`` rows, after a size check."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    name = os.path.basename(path)
+    if parquet:
+        pf = pq.ParquetFile(path)
+        meta = pf.metadata
+        size = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+        if size > MAX_COLUMNAR_BYTES:
+            raise InputError(f"{name}: {size:,} bytes of columns exceed the limit "
+                             f"{MAX_COLUMNAR_BYTES:,}")
+        missing = [c for c in COLUMNS if c not in pf.schema_arrow.names]
+        if missing:
+            raise InputError(f"{name}: missing column {missing[0]!r}")
+        batches = pf.iter_batches(batch_size=65_536, columns=list(COLUMNS))
+    else:
+        reader = pa.ipc.open_file(pa.memory_map(path))
+        missing = [c for c in COLUMNS if c not in reader.schema.names]
+        if missing:
+            raise InputError(f"{name}: missing column {missing[0]!r}")
+        batches = (reader.get_batch(i).select(list(COLUMNS))
+                   for i in range(reader.num_record_batches))
+    rows = 0
+    nbytes = 0
+    for batch in batches:
+        nbytes += batch.nbytes
+        if nbytes > MAX_COLUMNAR_BYTES:
+            raise InputError(f"{name}: columns exceed the limit of {MAX_COLUMNAR_BYTES:,} bytes")
+        yield batch.slice(0, cap - rows)
+        rows += min(batch.num_rows, cap - rows)
+        if rows >= cap:
+            return
+
+
+def _first_bad(name: str, mask: np.ndarray, what: str) -> None:
+    if mask.any():
+        raise InputError(f"{name}: row {int(np.flatnonzero(mask)[0]) + 1}: {what}")
+
+
+def _numeric(name: str, col, key: str, integer: bool) -> np.ndarray:
+    import pyarrow as pa
+
+    if col.null_count:
+        raise InputError(f"{name}: column {key!r} has empty (null) values")
+    ok = pa.types.is_integer(col.type) or (not integer and pa.types.is_floating(col.type))
+    if not ok:
+        kind = "integers" if integer else "numbers"
+        raise InputError(f"{name}: column {key!r} must hold {kind}, not {col.type}")
+    return col.to_numpy(zero_copy_only=False).astype(np.int64 if integer else np.float64)
+
+
+def read_columnar(path: str, cap: int, parquet: bool) -> Trace:
+    """A Parquet (``parquet=True``) or Arrow IPC file as a checked :class:`Trace`."""
+    import pyarrow as pa
+
+    name = os.path.basename(path)
+    try:
+        batches = list(_batches(path, cap, parquet))
+        table = pa.Table.from_batches(batches) if batches else None
+    except (pa.ArrowException, ValueError) as exc:
+        raise InputError(f"{name}: cannot read trace ({exc})") from None
+    if table is None or table.num_rows == 0:
+        raise InputError(f"{name}: the trace holds no requests")
+    ts = _numeric(name, table.column("timestamp").combine_chunks(), "timestamp", False)
+    n_in = _numeric(name, table.column("input_length").combine_chunks(), "input_length", True)
+    n_out = _numeric(name, table.column("output_length").combine_chunks(), "output_length", True)
+    ids = table.column("hash_ids").combine_chunks()
+    if not (pa.types.is_list(ids.type) or pa.types.is_large_list(ids.type)) \
+            or not pa.types.is_integer(ids.type.value_type):
+        raise InputError(f"{name}: column 'hash_ids' must be a list of integers, not {ids.type}")
+    if ids.null_count or ids.values.null_count:
+        raise InputError(f"{name}: column 'hash_ids' has empty (null) values")
+    _first_bad(name, ~np.isfinite(ts) | (ts < 0), "timestamp must be a number >= 0")
+    _first_bad(name, n_in < 1, "input_length must be an integer >= 1")
+    _first_bad(name, n_in > MAX_INPUT_LENGTH, f"input_length exceeds the limit {MAX_INPUT_LENGTH}")
+    _first_bad(name, n_out < 0, "output_length must be an integer >= 0")
+    offsets = ids.offsets.to_numpy().astype(np.int64)
+    values = ids.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
+    if offsets[0]:
+        offsets = offsets - offsets[0]
+    lens = np.diff(offsets)
+    need = -(-n_in // TRACE_BLOCK)
+    _first_bad(name, lens < need, f"hash_ids cannot cover input_length (blocks of {TRACE_BLOCK})")
+    bad = (values < 0) | (values >= MAX_BLOCK_ID)
+    if bad.any():
+        row = int(np.searchsorted(offsets, int(np.flatnonzero(bad)[0]), side="right"))
+        raise InputError(f"{name}: row {row}: hash_ids must be integers in [0, 2**48)")
+    if (lens > need).any():                           # keep only the blocks the input covers
+        pos = np.arange(len(values)) - np.repeat(offsets[:-1], lens)
+        values = values[pos < np.repeat(need, lens)]
+        offsets = np.zeros(len(need) + 1, dtype=np.int64)
+        np.cumsum(need, out=offsets[1:])
+    return Trace(name, ts, n_in, n_out, offsets, values)
+
+
+def write_columnar(trace: Trace, path: str) -> None:
+    """Write ``trace`` as Parquet (zstd) or Arrow IPC, chosen by the suffix of ``path``;
+    written to a temporary file beside it and renamed, so a failure leaves no partial file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    kind = columnar_kind(path)
+    if kind is None:
+        raise ValueError(f"{path}: the name must end in one of {sorted(SUFFIXES)}")
+    small = int(trace.offsets[-1]) < (1 << 31)
+    lists, offset_type = (pa.ListArray, np.int32) if small else (pa.LargeListArray, np.int64)
+    table = pa.table({
+        "timestamp": pa.array(trace.timestamps_ms, type=pa.float64()),
+        "input_length": pa.array(trace.input_lengths, type=pa.int64()),
+        "output_length": pa.array(trace.output_lengths, type=pa.int64()),
+        "hash_ids": lists.from_arrays(pa.array(trace.offsets.astype(offset_type)),
+                                      pa.array(trace.blocks, type=pa.int64())),
+    })
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
+                       f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        if kind == "parquet":
+            pq.write_table(table, tmp, compression="zstd")
+        else:
+            with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
+                w.write_table(table)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
