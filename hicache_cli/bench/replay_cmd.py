@@ -273,7 +273,8 @@ def _parse_policies(text: str) -> list[str]:
 
 
 def _sweep(trace: Path, records, page_size: int, l1_tokens: int, capacities: Optional[str],
-           policies: Optional[str], jobs: Optional[int], plot: Optional[Path], fmt: OutputFormat, show_progress: bool) -> None:
+           policies: Optional[str], jobs: Optional[int], plot: Optional[Path],
+           fmt: OutputFormat, show_progress: bool) -> None:
     from engine.sim.replay import ReplayInput
     from engine.sim.sweep import default_capacities, default_policies, run_sweep, sweep_points
 
