@@ -64,10 +64,10 @@ def _rank(rank: int, world: int) -> dict:
                 restored.wait()
 
     plan = GatherPlan.build(shape, LOGICAL)
-    g = LayerGather(plan, rank, pool, TOKENS, ready=ready)
+    g = LayerGather(plan, rank, pool, [plan.slots(TOKENS)], ready=ready)
     ok = []
     for layer in range(LAYERS):
-        got = g.wait(layer)
+        got, = g.wait(layer)
         ok.append(all(torch.equal(got[k], expected(layer, k)) for k in range(KINDS)))
         g.release(layer)
     g.close()

@@ -54,11 +54,12 @@ class GatherPlan:
             table[idx] = r * per_rank + np.arange(len(idx))
         return cls(shape, pages, tuple(rows), per_rank, table)
 
-    def slots(self, n_tokens: int) -> np.ndarray:
-        """Scratch token slots of positions ``0 … n_tokens-1`` (logical order)."""
+    def slots(self, n_tokens: int, first_page: int = 0) -> np.ndarray:
+        """Scratch token slots of positions ``0 … n_tokens-1`` of the sequence whose pages start
+        at ``pages[first_page]`` (several sequences can share one plan), in logical order."""
         p = self.shape.page_size
         x = np.arange(n_tokens, dtype=np.int64)
-        return self.table[x // p] * p + x % p
+        return self.table[first_page + x // p] * p + x % p
 
     def local_slots(self, rank: int) -> np.ndarray:
         """Rows of ``rank``'s local pool that it contributes, page by page."""
@@ -70,12 +71,13 @@ class LayerGather:
     """The gathers of one forward pass, one layer after another, on a background thread.
 
     ``pool``: this rank's local KV, ``[layers, kv_kinds, rows, kv_heads, head_dim]``.
+    ``reads``: scratch token slots (:meth:`GatherPlan.slots`) of each sequence to read back.
     ``ready(layer)``: blocks until this rank's pages of ``layer`` are in ``pool`` (a load-back's
     ``wait_layer``); ``None`` when nothing is being restored. ``group``: the CP process group.
     """
 
-    def __init__(self, plan: GatherPlan, rank: int, pool: torch.Tensor, n_tokens: int,
-                 ready: Callable[[int], None] | None = None, group=None,
+    def __init__(self, plan: GatherPlan, rank: int, pool: torch.Tensor,
+                 reads: list[np.ndarray], ready: Callable[[int], None] | None = None, group=None,
                  layers: int | None = None):
         self.plan = plan
         self.rank = rank
@@ -92,10 +94,11 @@ class LayerGather:
         self._send = torch.zeros((kinds, block, heads, dim), dtype=pool.dtype, device=pool.device)
         self._mine = torch.as_tensor(plan.local_slots(rank), device=pool.device)
         # token slots into one scratch buffer seen as [n * kinds * block, heads, dim]
-        slots = plan.slots(n_tokens)
-        owner, within = slots // block, slots % block
-        self._read = [torch.as_tensor((owner * kinds + k) * block + within, device=pool.device)
-                      for k in range(kinds)]
+        self._reads = []
+        for slots in reads:
+            owner, within = slots // block, slots % block
+            self._reads.append([torch.as_tensor((owner * kinds + k) * block + within,
+                                                device=pool.device) for k in range(kinds)])
         self._done = [threading.Event() for _ in range(self.layers)]
         self._free = [threading.Semaphore(1), threading.Semaphore(1)]
         self._error: BaseException | None = None
@@ -129,14 +132,14 @@ class LayerGather:
             for ev in self._done:
                 ev.set()
 
-    def wait(self, layer: int) -> tuple[torch.Tensor, ...]:
-        """The prefix KV of ``layer`` in logical order: one ``[n_tokens, heads, dim]`` tensor
+    def wait(self, layer: int) -> list[tuple[torch.Tensor, ...]]:
+        """``layer``'s KV of each read, in logical order: one ``[n_tokens, heads, dim]`` tensor
         per kind (K and V, or MLA's one latent). Call :meth:`release` when done with it."""
         self._done[layer].wait()
         if self._error is not None:
             raise self._error
         flat = self._scratch[layer % 2].view(-1, *self._scratch[0].shape[-2:])
-        return tuple(flat.index_select(0, idx) for idx in self._read)
+        return [tuple(flat.index_select(0, idx) for idx in read) for read in self._reads]
 
     def release(self, layer: int) -> None:
         self._free[layer % 2].release()

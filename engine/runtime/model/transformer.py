@@ -31,6 +31,30 @@ from engine.runtime.model.weights import LayerWeights, ModelWeights
 LayerHook = Callable[[int], None]
 
 
+class PoolKV:
+    """Where a forward pass keeps and finds KV: the paged L1 pool. New K/V goes to the chunks'
+    slots; each chunk's keys are read through its page table. (Context parallelism swaps in a
+    sharded implementation of the same three calls: ``engine.runtime.cp_kv.ShardedKV``.)"""
+
+    def __init__(self, kv: torch.Tensor, write_slots: torch.Tensor,
+                 key_slots: list[torch.Tensor]):
+        self.kv, self.write_slots, self.key_slots = kv, write_slots, key_slots
+
+    def write(self, layer: int, kinds: Sequence[torch.Tensor]) -> None:
+        """Store the new tokens' K/V of ``layer`` (one ``[n_new, heads, dim]`` per kind)."""
+        for kind, t in enumerate(kinds):
+            self.kv[layer, kind].index_copy_(0, self.write_slots, t)
+
+    def keys(self, layer: int, chunk: int) -> tuple[torch.Tensor, ...]:
+        """Chunk ``chunk``'s K/V for positions ``0 … end-1`` in logical order, per kind."""
+        slots = self.key_slots[chunk]
+        return tuple(self.kv[layer, kind].index_select(0, slots)
+                     for kind in range(self.kv.shape[1]))
+
+    def done(self, layer: int) -> None:
+        """``layer``'s attention no longer needs what :meth:`keys` read."""
+
+
 @dataclasses.dataclass
 class Chunk:
     """New tokens of one request for one forward pass.
@@ -79,13 +103,15 @@ class Model:
 
     # -- forward ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, chunks: Sequence[Chunk], kv: torch.Tensor, page_size: int,
+    def forward(self, chunks: Sequence[Chunk], kv: "torch.Tensor | PoolKV", page_size: int,
                 layer_hooks: Iterable[LayerHook] = ()) -> torch.Tensor:
         """Run ``chunks``; returns float32 logits ``[n, vocab]``: one row per chunk with
         ``logits``, ``len(chunk)`` rows per chunk with ``all_logits``, in chunk order.
 
         ``kv`` is the L1 buffer ``[layers, kv_kinds, slots, kv_heads, head_dim]``
-        (``cache.l1.buf``). New K/V is written into it.
+        (``cache.l1.buf``). New K/V is written into it. Or an object with
+        :class:`PoolKV`'s ``write``/``keys``/``done`` (the chunks' page tables are then its
+        business).
         """
         cfg = self.cfg
         hooks = list(layer_hooks)
@@ -112,24 +138,24 @@ class Model:
             if len(pages) * page_size < end:
                 raise ValueError(f"page table covers {len(pages) * page_size} positions, "
                                  f"chunk ends at {end}")
+            bounds.append((off, off + n))
+            off += n
+            if not isinstance(kv, torch.Tensor):
+                continue
             all_pos = np.arange(end, dtype=np.int64)
             slots = pages[all_pos // page_size] * page_size + all_pos % page_size
             key_slots.append(torch.as_tensor(slots, device=dev))
             new_slots.append(key_slots[-1][c.start:end])
-            bounds.append((off, off + n))
-            off += n
-        write_slots = torch.cat(new_slots)
+        io = PoolKV(kv, torch.cat(new_slots), key_slots) if isinstance(kv, torch.Tensor) else kv
         cos, sin = self.cos[pos], self.sin[pos]
 
         x = self.w.embed[ids]
         for li, lw in enumerate(self.w.layers):
             h = ops.rms_norm(x, lw.attn_norm, cfg.rms_eps)
             if cfg.is_mla:
-                attn = self._mla(lw, li, h, cos, sin, kv, write_slots, key_slots, bounds, pos,
-                                 hooks)
+                attn = self._mla(lw, li, h, cos, sin, io, bounds, pos, hooks)
             else:
-                attn = self._gqa(lw, li, h, cos, sin, kv, write_slots, key_slots, bounds, pos,
-                                 hooks)
+                attn = self._gqa(lw, li, h, cos, sin, io, bounds, pos, hooks)
             x = x + ops.linear(attn, lw.wo, self.exact)
             h = ops.rms_norm(x, lw.mlp_norm, cfg.rms_eps)
             gu = ops.linear(h, lw.w_gate_up, self.exact)
@@ -145,8 +171,7 @@ class Model:
         return ops.linear(last, self.w.lm_head, self.exact).float()
 
     def _gqa(self, lw: LayerWeights, li: int, h: torch.Tensor, cos: torch.Tensor,
-             sin: torch.Tensor, kv: torch.Tensor, write_slots: torch.Tensor,
-             key_slots: list[torch.Tensor], bounds: list[tuple[int, int]], pos: torch.Tensor,
+             sin: torch.Tensor, io: PoolKV, bounds: list[tuple[int, int]], pos: torch.Tensor,
              hooks: list[LayerHook]) -> torch.Tensor:
         cfg = self.cfg
         M = h.shape[0]
@@ -155,21 +180,18 @@ class Model:
         q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
         q = ops.apply_rope(q.reshape(M, Hq, D), cos, sin)
         k = ops.apply_rope(k.reshape(M, Hkv, D), cos, sin)
-        kv[li, 0].index_copy_(0, write_slots, k)
-        kv[li, 1].index_copy_(0, write_slots, v.reshape(M, Hkv, D))
+        io.write(li, (k, v.reshape(M, Hkv, D)))
         for hook in hooks:
             hook(li)
         out = torch.empty_like(q)
-        kl, vl = kv[li, 0], kv[li, 1]
-        for slots, (s, e) in zip(key_slots, bounds):
-            out[s:e] = ops.attention(q[s:e], kl.index_select(0, slots),
-                                     vl.index_select(0, slots), pos[s:e], self.scale,
-                                     self.exact)
+        for i, (s, e) in enumerate(bounds):
+            keys, values = io.keys(li, i)
+            out[s:e] = ops.attention(q[s:e], keys, values, pos[s:e], self.scale, self.exact)
+        io.done(li)
         return out.reshape(M, Hq * D)
 
     def _mla(self, lw: LayerWeights, li: int, h: torch.Tensor, cos: torch.Tensor,
-             sin: torch.Tensor, kv: torch.Tensor, write_slots: torch.Tensor,
-             key_slots: list[torch.Tensor], bounds: list[tuple[int, int]], pos: torch.Tensor,
+             sin: torch.Tensor, io: PoolKV, bounds: list[tuple[int, int]], pos: torch.Tensor,
              hooks: list[LayerHook]) -> torch.Tensor:
         """Absorbed MLA: attention runs in the latent space against one cached vector/token."""
         cfg = self.cfg
@@ -186,15 +208,15 @@ class Model:
         c, kr = ckv.split([dc, dr], dim=-1)
         c = ops.rms_norm(c, lw.kv_norm, cfg.rms_eps)
         kr = ops.apply_rope(kr.reshape(M, 1, dr), cos, sin).reshape(M, dr)
-        kv[li, 0].index_copy_(0, write_slots, torch.cat([c, kr], dim=-1).reshape(M, 1, dc + dr))
+        io.write(li, (torch.cat([c, kr], dim=-1).reshape(M, 1, dc + dr),))
         for hook in hooks:
             hook(li)
-        lat = kv[li, 0]
         o_lat = torch.empty((M, Hq, dc + dr), dtype=h.dtype, device=h.device)
-        for slots, (s, e) in zip(key_slots, bounds):
-            keys = lat.index_select(0, slots)
+        for i, (s, e) in enumerate(bounds):
+            keys, = io.keys(li, i)
             o_lat[s:e] = ops.attention(q_full[s:e], keys, keys, pos[s:e], self.scale,
                                        self.exact)
+        io.done(li)
         # o[h] = o_lat[h][:dc] @ W_uv[h]: [Hq, M, dc] @ [Hq, dc, dv]
         o = ops.bmm(o_lat[..., :dc].transpose(0, 1).contiguous(), lw.w_uv, self.exact)
         return o.transpose(0, 1).reshape(M, Hq * dv)
