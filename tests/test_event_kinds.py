@@ -94,3 +94,18 @@ def test_documented_kinds_are_the_table():
     assert set(documented) == set(EV.KINDS)
     for name, kind in EV.KINDS.items():
         assert documented[name] == set(kind.fields) | set(kind.optional), name
+
+
+def test_transfers_and_l3_jobs_share_one_integer_op_sequence():
+    from engine.cache.l3 import SimulatedTier
+
+    c = make_cache(page_size=2, l1_pages=4, l2_pages=4, real=False)
+    c.attach_l3(SimulatedTier(capacity_pages=64))
+    for t in ([1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [1, 2, 3, 4]):
+        serve(c, t, check_kv=False)
+    c.wait_all()
+    issued = [e for e in c.events.events if e["kind"] in ("restore", "backup")]
+    assert any(e.get("dst") == "l3" for e in issued) and any("dst" not in e for e in issued)
+    ops = [e["op"] for e in issued]
+    assert all(type(op) is int for op in ops) and sorted(ops) == list(range(len(ops)))
+    c.close()

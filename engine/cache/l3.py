@@ -26,6 +26,7 @@ import numpy as np
 from engine.cache.events import EV
 from engine.core.choices import Choice
 from engine.core.hashing import PageHash, namespace_seed, page_hashes
+from formats.ranklog_events import OpId
 
 log = logging.getLogger("hicache.l3")
 
@@ -53,7 +54,7 @@ class Job:
 
     __slots__ = ("kind", "hashes", "pages", "payload", "result", "error", "event", "op_id")
 
-    def __init__(self, kind: str, hashes: list, pages: np.ndarray, payload: Any, op_id: int):
+    def __init__(self, kind: str, hashes: list, pages: np.ndarray, payload: Any, op_id: OpId):
         self.kind = kind
         self.hashes = hashes
         self.pages = pages
@@ -172,7 +173,7 @@ class L3Tier:
     def __init__(self, impl: "SimulatedTier | StoreTier", page_size: int, *,
                  tree: Any, l2_alloc: Any, events: Any, counters: collections.Counter,
                  pin: Callable[[Any, int], None], touch: Callable[[Any], None],
-                 evict_l2: Callable[[int], int], op_ids: Iterator[int],
+                 evict_l2: Callable[[int], int], op_ids: Iterator[OpId],
                  prefetch_policy: "str | PrefetchPolicy" = PrefetchPolicy.WAIT_COMPLETE,
                  prefetch_timeout: float = 1.0):
         self.impl = impl

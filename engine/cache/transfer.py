@@ -24,6 +24,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from formats.ranklog_events import OpId
+
 
 class OpKind(str, enum.Enum):
     LOAD = "load"        # L2 -> L1 (load-back)
@@ -35,7 +37,7 @@ class TransferOp:
     __slots__ = ("op_id", "kind", "src", "src_pages", "dst", "dst_pages", "num_layers",
                  "_layer_events", "_cuda_events", "_error", "payload")
 
-    def __init__(self, op_id: int, kind: OpKind, src: Any, src_pages: np.ndarray, dst: Any,
+    def __init__(self, op_id: OpId, kind: OpKind, src: Any, src_pages: np.ndarray, dst: Any,
                  dst_pages: np.ndarray, num_layers: int, payload: Any = None):
         self.op_id = op_id
         self.kind = kind
@@ -90,7 +92,7 @@ class TransferOp:
 class TransferEngine:
     """Executes ops in submission order per queue, loads before backups."""
 
-    def __init__(self, device: str = "cpu", op_ids: Iterator[int] | None = None):
+    def __init__(self, device: str = "cpu", op_ids: Iterator[OpId] | None = None):
         self.device = device
         # Op ids (formats.ranklog_events.OpId): the facade shares one sequence with its L3 tier.
         self._op_ids = op_ids if op_ids is not None else itertools.count()
