@@ -46,9 +46,9 @@ class HiCache:
 
     def __init__(self, config: CacheConfig, events: EventLog | None = None,
                  policy: EvictionPolicy | None = None, allocator=None):
-        """``allocator(name, num_pages, page_size)``: builds the page allocators of a
-        metadata-only cache (default :class:`PageAllocator`; a CP group passes owner-aware
-        ones, ``engine.parallel.cp``)."""
+        """``allocator(name, num_pages, page_size)``: builds the page allocators (default: a
+        :class:`PageAllocator`, the pool's own when there are pools). A CP rank passes
+        owner-aware ones (``engine.parallel.cp``) and wraps the pools it owns rows of."""
         self.config = config
         self.page_size = p = config.page_size
         self.write_policy = WritePolicy.parse(config.write_policy)
@@ -60,12 +60,13 @@ class HiCache:
             from engine.cache.pool import DevicePool, HostPool  # torch: only when pools exist
 
             self.l1: DevicePool | None = DevicePool(config.layout, config.l1_pages, self.device)
-            self.l1_alloc = self.l1.allocator
+            self.l1_alloc = allocator("L1", config.l1_pages, p) if allocator else self.l1.allocator
             pin = self.device.startswith("cuda")
             self.l2: HostPool | None = (HostPool(config.layout, config.l2_pages,
                                                  config.host_layout, pin=pin)
                                         if config.l2_pages else None)
-            self.l2_alloc = self.l2.allocator if self.l2 is not None else None
+            self.l2_alloc = (None if self.l2 is None else allocator("L2", config.l2_pages, p)
+                             if allocator else self.l2.allocator)
             self.num_layers = config.layout.num_layers
         else:
             self.l1 = None

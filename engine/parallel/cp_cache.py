@@ -33,19 +33,28 @@ from formats.ranklog_events import CP_ALLOC, CP_CUT
 
 
 class CPCache:
-    """A CP group's view of one :class:`HiCache` (metadata only for now)."""
+    """Rank ``rank`` of a CP group of ``cp_size``: one logical :class:`HiCache`.
+
+    The configured tier sizes are per-rank budgets: each rank has that many pages, the logical
+    pools ``cp_size`` times more. With a KV layout the pools hold this rank's rows only
+    (:class:`~engine.parallel.cp_pool.OwnedPool`), so restores and backups move this rank's
+    pages; without one (the replay) there are no bytes and ``rank`` does not matter.
+    """
 
     def __init__(self, config: CacheConfig, cp_size: int, events: EventLog | None = None,
-                 policy: EvictionPolicy | None = None):
-        if config.layout is not None:
-            raise ValueError("CPCache keeps metadata only (layout=None): sharded KV bytes "
-                             "live in the runtime's per-rank pools")
+                 policy: EvictionPolicy | None = None, rank: int = 0):
         self.shape = shape = CPShape(cp_size, config.page_size)
-        # The configured tier sizes are per-rank budgets: each rank gets that many pages, so
-        # the logical pools are N times larger.
+        self.rank = rank
+        strict = config.layout is not None
         self.cache = HiCache(config, events=events, policy=policy,
                              allocator=lambda name, n, _p: OwnerAllocator(shape, n, name,
-                                                                          strict=False))
+                                                                          strict=strict))
+        if config.layout is not None:
+            from engine.parallel.cp_pool import OwnedPool
+
+            self.cache.l1 = OwnedPool(self.cache.l1, shape, rank)
+            if self.cache.l2 is not None:
+                self.cache.l2 = OwnedPool(self.cache.l2, shape, rank)
         self.cut_pages = 0
         self.cuts = 0
 
