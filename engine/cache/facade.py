@@ -26,7 +26,7 @@ from engine.cache.events import EV, EventLog
 from engine.cache.l3 import L3Tier
 from engine.cache.policy import EvictionPolicy, make_policy
 from engine.cache.radix_tree import Node, RadixTree
-from engine.cache.tiers import Tier
+from engine.cache.tiers import Tier, l1_candidate, l2_candidate
 from engine.cache.transfer import OpKind, TransferEngine, TransferOp
 from engine.cache.types import (  # noqa: F401 (CacheConfig, as_tokens re-exported)
     Admission,
@@ -81,8 +81,8 @@ class HiCache:
         self.l3: L3Tier | None = None      # set by attach_l3
         self._inflight: dict[OpKind, collections.deque[TransferOp]] = {
             k: collections.deque() for k in OpKind}
-        self._t1 = Tier("l1", self.l1_alloc, self._l1_candidate, self._evict_l1_node)
-        self._t2 = (Tier("l2", self.l2_alloc, self._l2_candidate, self._evict_l2_node)
+        self._t1 = Tier("l1", self.l1_alloc, l1_candidate, self._evict_l1_node)
+        self._t2 = (Tier("l2", self.l2_alloc, l2_candidate, self._evict_l2_node)
                     if self.l2_alloc is not None else None)
         self.counters: collections.Counter = collections.Counter()
         attach = getattr(self.policy, "attach", None)
@@ -499,19 +499,6 @@ class HiCache:
             t = self._t2
             t.seq += 1
             heapq.heappush(t.heap, (self.policy.key(node), t.seq, node))
-
-    @staticmethod
-    def _l1_candidate(node: Node) -> bool:
-        return (node.parent is not None and node.l1 is not None and node.lock_ref == 0
-                and node.n_l1_children == 0 and node.loading is None)
-
-    @staticmethod
-    def _l2_candidate(node: Node) -> bool:
-        """An L2 copy that may go: a leaf living only in L2 (the node goes with it), or the
-        backup copy of a node that stays on L1."""
-        return (node.parent is not None and node.l2 is not None and node.lock_ref == 0
-                and node.backing_up is None and node.loading is None
-                and (node.l1 is not None or not node.children))
 
     def _evict(self, tier: Tier, n_pages: int) -> int:
         """One eviction pass over ``tier`` (:meth:`Tier.evict`), recorded as one ``evict``."""

@@ -14,6 +14,20 @@ from typing import Any, Callable, Iterable
 from engine.cache.radix_tree import Node, RadixTree
 
 
+def l1_candidate(node: Node) -> bool:
+    """An L1 copy that may go: an unlocked node with no L1 child, not being loaded."""
+    return (node.parent is not None and node.l1 is not None and node.lock_ref == 0
+            and node.n_l1_children == 0 and node.loading is None)
+
+
+def l2_candidate(node: Node) -> bool:
+    """An L2 copy that may go: a leaf living only in L2 (the node goes with it), or the backup
+    copy of a node that stays on L1."""
+    return (node.parent is not None and node.l2 is not None and node.lock_ref == 0
+            and node.backing_up is None and node.loading is None
+            and (node.l1 is not None or not node.children))
+
+
 class Tier:
     """One tier: ``heap`` entries are ``(policy key, seq, node)``; stale entries (the node is no
     candidate any more, or its key changed) are skipped when popped, so pushing is cheap."""
