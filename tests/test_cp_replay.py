@@ -96,6 +96,11 @@ def test_cp_ranks_agree_and_snapshots_show_one_rotation_per_path(trace, tmp_path
     (["--cp", "2", "--l2-tokens", "1000", "--l3-tokens", "-1"], "L3"),
     (["--cp", "2", "--ranks", "3"], "--ranks 2"),
     (["--cp", "2", "--sweep"], "--sweep"),
+    (["--ranks", "2", "--nnodes", "2"], "--dist-init-addr"),
+    (["--ranks", "2", "--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "h:1"],
+     "--node-rank"),
+    (["--ranks", "3", "--nnodes", "2", "--dist-init-addr", "h:1"], "evenly"),
+    (["--ranks", "2", "--nnodes", "2", "--dist-init-addr", "nohost"], "HOST:PORT"),
 ])
 def test_bad_cp_options_are_usage_errors(trace, args, msg):
     r = runner.invoke(app, ["bench", "replay", trace, *args])

@@ -27,6 +27,9 @@ class RankRun:
     online_every: int = 0                 # 0: no online consensus
     inject: str | None = None
     dump_tree_dir: str | None = None      # each rank writes tree-rank{N}.snapshot there
+    nnodes: int = 1                       # hosts the ranks are spread over, evenly
+    node_rank: int = 0                    # this host: it runs ranks node_rank*k … (k per node)
+    init_addr: str | None = None          # HOST:PORT of the rendezvous (node 0); None: local
 
 
 def _free_port() -> int:
@@ -35,7 +38,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, run: RankRun, port: int, out: Any) -> None:
+def _rank_main(rank: int, run: RankRun, addr: str, out: Any) -> None:
     import torch.distributed as dist
 
     from engine.cache.events import EventLog, RankInfo
@@ -46,7 +49,7 @@ def _rank_main(rank: int, run: RankRun, port: int, out: Any) -> None:
 
     result: dict[str, Any] = {"rank": rank}
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}", rank=rank,
                                 world_size=run.world_size)
         if run.config.cp_size > 1:     # the ranks are the CP group: one logical tree each
             info = RankInfo(rank=rank, world_size=run.world_size, cp_rank=rank,
@@ -95,16 +98,20 @@ def _rank_main(rank: int, run: RankRun, port: int, out: Any) -> None:
 
 
 def replay_ranks(run: RankRun, timeout_s: float = 600.0) -> list[dict]:
-    """Run the ranks; returns one dict per rank (ordered by rank)."""
+    """Run this node's ranks (all of them on one node); returns one dict per rank, by rank."""
     import torch.multiprocessing as mp
 
     if run.world_size < 1:
         raise ValueError(f"world size must be >= 1, got {run.world_size}")
+    if run.nnodes < 1 or run.world_size % run.nnodes or not 0 <= run.node_rank < run.nnodes:
+        raise ValueError(f"{run.world_size} ranks do not spread evenly over {run.nnodes} nodes "
+                         f"(node rank {run.node_rank})")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, run, port, out), daemon=True)
-             for r in range(run.world_size)]
+    addr = run.init_addr or f"127.0.0.1:{_free_port()}"
+    k = run.world_size // run.nnodes
+    procs = [ctx.Process(target=_rank_main, args=(r, run, addr, out), daemon=True)
+             for r in range(run.node_rank * k, (run.node_rank + 1) * k)]
     for p in procs:
         p.start()
     results = []

@@ -68,6 +68,22 @@ def _check_ranks(ranks: int) -> None:
         fail(f"--ranks {ranks}: this machine can run at most {cap} ranks ({why})", code=2)
 
 
+def _check_nodes(ranks: int, nnodes: int, node_rank: int, addr: Optional[str]) -> tuple:
+    """(nnodes, node_rank, HOST:PORT or None) after the usage checks."""
+    _positive("--nnodes", nnodes, allow_zero=False)
+    if not 0 <= node_rank < nnodes:
+        fail(f"--node-rank must be in [0, --nnodes), got {node_rank} of {nnodes}", code=2)
+    if ranks % nnodes:
+        fail(f"--ranks {ranks} does not spread evenly over --nnodes {nnodes}", code=2)
+    if nnodes > 1 and addr is None:
+        fail("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)", code=2)
+    if addr is not None:
+        host, _, port = addr.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            fail(f"--dist-init-addr must be HOST:PORT, got {addr!r}", code=2)
+    return nnodes, node_rank, addr
+
+
 def _check_cp(cp: int, cp_kv: str, l3_tokens: int, sweep: bool) -> None:
     from engine.sim.replay import CP_KV
 
@@ -143,6 +159,14 @@ def register(bench_app: typer.Typer) -> None:
             "online and stop at the first divergence (logs go to --rank-log-dir)."),
         consensus_every: int = typer.Option(16, "--consensus-every", help="Compare every N "
                                             "requests (online consensus)."),
+        nnodes: int = typer.Option(1, "--nnodes", help="With --ranks: hosts the ranks are "
+                                   "spread over (run the command on each, with its "
+                                   "--node-rank)."),
+        node_rank: int = typer.Option(0, "--node-rank", help="This host's index (0 … "
+                                      "--nnodes-1); node 0 hosts the rendezvous."),
+        dist_init_addr: Optional[str] = typer.Option(
+            None, "--dist-init-addr", help="HOST:PORT of node 0's rendezvous (needed with "
+            "--nnodes > 1)."),
         cp: int = typer.Option(1, "--cp", help="Context-parallel ranks of the replica; "
                                "--l1-tokens/--l2-tokens are then per-rank budgets."),
         cp_kv: str = typer.Option("sharded", "--cp-kv", help="With --cp N: 'sharded' (each KV "
@@ -191,12 +215,13 @@ def register(bench_app: typer.Typer) -> None:
             if cp > 1 and ranks != cp:
                 fail(f"with --cp {cp}, --ranks stands for the CP ranks: give --ranks {cp}",
                      code=2)
+            nodes = _check_nodes(ranks, nnodes, node_rank, dist_init_addr)
             _multi_rank(trace, ranks, ReplayConfig(
                 page_size=page_size, l1_tokens=l1_tokens, l2_tokens=l2_tokens,
                 l3_tokens=l3_tokens, policy=policy, write_policy=write_policy, limit=limit,
                 cp_size=cp, cp_kv=cp_kv),
                 rank_log_dir, consensus_every if enable_rank_consensus else 0,
-                inject_divergence, fmt, dump_tree)
+                inject_divergence, fmt, dump_tree, nodes)
             return
 
         if (policies is not None or jobs is not None) and not sweep:
@@ -320,7 +345,8 @@ def _sweep(trace: Path, records, page_size: int, l1_tokens: int, capacities: Opt
 
 
 def _multi_rank(trace: Path, ranks: int, cfg, rank_log_dir: Optional[Path], every: int,
-                inject: Optional[str], fmt: OutputFormat, dump_dir: Optional[Path]) -> None:
+                inject: Optional[str], fmt: OutputFormat, dump_dir: Optional[Path],
+                nodes: tuple = (1, 0, None)) -> None:
     from engine.loadgen.trace import load_trace
     from engine.parallel.divergence import parse_spec
     from engine.sim.replay_ranks import RankRun, replay_ranks
@@ -336,13 +362,14 @@ def _multi_rank(trace: Path, ranks: int, cfg, rank_log_dir: Optional[Path], ever
                  f"{' with online consensus' if every else ''}")
     results = replay_ranks(RankRun(str(trace), cfg, ranks,
                                    str(rank_log_dir) if rank_log_dir else None, every, inject,
-                                   str(dump_dir) if dump_dir else None))
+                                   str(dump_dir) if dump_dir else None, *nodes))
     errors = [r for r in results if "error" in r]
     if errors:
         fail(f"rank {errors[0]['rank']} failed: {errors[0]['error']}", code=EXIT_ERROR)
     diverged = [r for r in results if "consensus_error" in r]
     # without online consensus nothing compared the ranks' decisions: consistent is unknown
-    out = {"trace": str(trace), "ranks": ranks, "online_consensus": bool(every),
+    out = {"trace": str(trace), "ranks": ranks, "nnodes": nodes[0], "node_rank": nodes[1],
+           "local_ranks": [r["rank"] for r in results], "online_consensus": bool(every),
            "consistent": not diverged if every else None}
     if diverged:
         out["consensus_error"] = diverged[0]["consensus_error"]
