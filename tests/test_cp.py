@@ -234,3 +234,37 @@ def test_random_traffic_keeps_every_path_on_one_rotation(n):
         healthy(cp)
     used = cp.l1_alloc.used_per_rank()
     assert used.max() - used.min() <= cp.tree.num_nodes    # no rank hoards the pages
+
+
+# ---------------------------------------------------------------- admission (the scheduler's step)
+def test_admit_continues_the_rotation_through_l1_and_l2_hits():
+    cp = make_cp(2, l1_pages=4, l2_pages=8, write_policy="write_through")
+    a = cp.admit(pages_of(1, 2, 3), rid="a", extra_pages=1)   # 3 prompt pages + 1 decode page
+    assert (a.pages % 2).tolist() == [0, 1, 0, 1] and a.n_prefix_pages == 0
+    cp.insert(pages_of(1, 2, 3), a.pages[:3], rid="a", after=a.receipt)
+    cp.free(a.pages[3:])
+    cp.unlock(a.receipt)
+    cp.wait_all()
+    b = cp.admit(pages_of(1, 2, 3, 4), rid="b", extra_pages=1)  # A on L1, D and a decode page
+    assert (b.device_len, b.n_prefix_pages) == (3 * P, 3)
+    assert (b.pages % 2).tolist() == [0, 1, 0, 1, 0]
+    cp.free(b.pages[3:])
+    cp.unlock(b.receipt)
+    cp.evict_l1(1 << 20)                                     # A now in L2 only
+    c = cp.admit(pages_of(1, 2, 3, 4), rid="c")
+    assert (c.device_len, c.host_len) == (0, 3 * P)
+    assert (c.pages % 2).tolist() == [0, 1, 0, 1]            # restored pages keep their owners
+    if c.load is not None:
+        c.load.wait()
+    cp.free(c.pages[3:])
+    cp.unlock(c.receipt)
+    cp.poll()
+    healthy(cp)
+    assert [e["first_owner"] for e in cp.events.events if e["kind"] == "cp_alloc"] == [0, 1, 1]
+
+
+def test_admit_without_room_holds_nothing():
+    cp = make_cp(2, l1_pages=2)
+    assert cp.admit(pages_of(*range(5)), rid="big") is None   # 5 pages > 2 per rank x 2
+    healthy(cp)
+    assert cp.l1_alloc.used_pages == 0

@@ -27,7 +27,8 @@ from engine.cache.events import EventLog
 from engine.cache.facade import HiCache
 from engine.cache.policy import EvictionPolicy
 from engine.cache.radix_tree import Node
-from engine.cache.types import CacheConfig, LockReceipt, MatchResult, as_tokens
+from engine.cache.types import Admission, CacheConfig, LockReceipt, MatchResult, as_tokens
+from engine.core.errors import OutOfCapacity
 from engine.parallel.cp import CPShape, OwnerAllocator
 from formats.ranklog_events import CP_ALLOC, CP_CUT
 
@@ -69,23 +70,66 @@ class CPCache:
             return None
         return int(path[0].cp_owner) % self.shape.size
 
-    def alloc_for(self, m: MatchResult, n_pages: int) -> np.ndarray:
-        """L1 pages for pages ``len(m.l1_pages) …`` of ``m``'s prompt, continuing its rotation."""
+    def _start(self, m: MatchResult) -> int:
+        """Owner of page 0 of ``m``'s prompt: the matched prefix's rotation (the matched nodes
+        are the facade's own part of the result), or a fresh start."""
+        start = self.path_start_owner(m._path)
+        return self.cache.l1_alloc.fresh_owner() if start is None else start
+
+    def _alloc_rotation(self, n_pages: int, first: int, rid: Any) -> np.ndarray:
+        """``n_pages`` L1 pages owned ``first, first+1, …`` (mod N), evicting for the ranks that
+        lack room. Raises ``OutOfCapacity`` when eviction cannot make it."""
         cache = self.cache
         alloc: OwnerAllocator = cache.l1_alloc
-        # the matched nodes (the facade's own part of the result): the prefix's rotation
-        start = self.path_start_owner(m._path)
-        have = len(m.l1_pages)
-        if start is None:
-            assert have == 0
-            start = alloc.fresh_owner()
-        first = self.shape.next_owner(start, have)
         short = alloc.shortfall(n_pages, first_owner=first)
         while short > 0 and cache.evict_l1(short):
             short = alloc.shortfall(n_pages, first_owner=first)
         pages = alloc.alloc_rotation(n_pages, first)
-        cache.events.emit(CP_ALLOC, rid=m.rid, first_owner=first, pages=int(n_pages))
+        cache.events.emit(CP_ALLOC, rid=rid, first_owner=first, pages=int(n_pages))
         return pages
+
+    def alloc_for(self, m: MatchResult, n_pages: int) -> np.ndarray:
+        """L1 pages for pages ``len(m.l1_pages) …`` of ``m``'s prompt, continuing its rotation."""
+        first = self.shape.next_owner(self._start(m), len(m.l1_pages))
+        return self._alloc_rotation(n_pages, first, m.rid)
+
+    def admit(self, tokens, namespace: str | None = None, *, rid: Any = None, priority: int = 0,
+              extra_pages: int = 0, reuse: bool = True) -> Admission | None:
+        """:meth:`HiCache.admit` (all or nothing: match, lock, allocate, load back) with every
+        page the request allocates continuing the owner rotation of its prefix."""
+        cache, p = self.cache, self.cache.page_size
+        total = -(-len(tokens) // p) + extra_pages
+        if not reuse:
+            try:
+                own = self._alloc_rotation(total, cache.l1_alloc.fresh_owner(), rid)
+            except OutOfCapacity:
+                return None
+            return Admission(rid, namespace, own, 0, None, None)
+        m = cache.match(tokens, namespace, rid=rid, priority=priority)
+        receipt = cache.lock(m)
+        start = self._start(m)
+        n1 = m.l1_len // p
+        below = (m.l2_len + m.l3_len) // p   # pages past the L1 hit: L2 (+ L3 prefetched)
+        own = None
+        try:
+            own = self._alloc_rotation(total - n1 - below,
+                                       self.shape.next_owner(start, n1 + below), rid)
+            load = cache.load_back(m)        # restored pages keep their owners
+            missing = below - m.loaded_len // p
+            if missing:                      # no room to load back: computed, same owners
+                own = np.concatenate([self._alloc_rotation(
+                    missing, self.shape.next_owner(start, n1 + below - missing), rid), own])
+        except OutOfCapacity:
+            if own is not None:
+                cache.free(own)
+            cache.unlock(receipt)
+            return None
+        storage = max(0, min(m.l3_len, m.loaded_len - m.l2_len))
+        prefix = m.l1_pages[:(m.l1_len + m.loaded_len) // p]
+        return Admission(rid, namespace, np.concatenate([prefix, own]), len(prefix), receipt,
+                         load if load is not None and load.ops else None,
+                         device_len=m.l1_len, host_len=m.loaded_len - storage,
+                         storage_len=storage, hashes=m.hashes)
 
     # ------------------------------------------------------------------ insert
     def insert(self, tokens, pages: np.ndarray, namespace: str | None = None, rid: Any = None,
