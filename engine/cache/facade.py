@@ -68,6 +68,15 @@ class HiCache:
             self.l2_alloc = (None if self.l2 is None else allocator("L2", config.l2_pages, p)
                              if allocator else self.l2.allocator)
             self.num_layers = config.layout.num_layers
+            if config.sidecar is not None:      # draft KV: own pools, the target's page ids
+                from engine.cache.sidecar import PairedPool
+
+                self.l1 = PairedPool(self.l1, DevicePool(config.sidecar, config.l1_pages,
+                                                         self.device))
+                if self.l2 is not None:
+                    self.l2 = PairedPool(self.l2, HostPool(config.sidecar, config.l2_pages,
+                                                           config.host_layout, pin=pin))
+                self.num_layers = self.l1.num_layers
         else:
             self.l1 = None
             self.l2 = None

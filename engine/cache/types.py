@@ -45,6 +45,8 @@ class CacheConfig:
     host_layout: str = "layer_first"
     device: str = "cpu"
     layout: KVLayout | None = None          # None: metadata only (no KV bytes)
+    # speculative decoding, sidecar draft layout: the draft's own pools, same page ids
+    sidecar: KVLayout | None = None
     events: bool = True
     policy_kwargs: dict = dataclasses.field(default_factory=dict)
 
@@ -61,6 +63,9 @@ class CacheConfig:
         HostLayout.parse(self.host_layout)
         if self.layout is not None and self.layout.page_size != self.page_size:
             raise ValueError(f"layout page_size {self.layout.page_size} != {self.page_size}")
+        if self.sidecar is not None and (self.layout is None
+                                         or self.sidecar.page_size != self.page_size):
+            raise ValueError("a sidecar layout needs a KV layout with the same page size")
 
     @property
     def l1_pages(self) -> int:

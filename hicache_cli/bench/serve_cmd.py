@@ -122,6 +122,18 @@ def register(bench_app: typer.Typer) -> None:
         served_model_name: Optional[str] = typer.Option(
             None, "--served-model-name", help="Model id in /v1/models and responses (default: "
             "the model's name)."),
+        spec_tokens: int = typer.Option(
+            0, "--speculative-num-draft-tokens", min=0, max=16, help="Speculative decoding: "
+            "tokens the draft proposes per step for greedy requests (0: off)."),
+        spec_preset: str = typer.Option(
+            "mirror", "--speculative-draft-preset", help="Draft model: mirror (a perturbed copy "
+            "of every target layer) or mirror-half (of the first half)."),
+        draft_layout: str = typer.Option(
+            "packed", "--hicache-draft-layout", help="Where the draft's KV lives in the cache: "
+            "packed (extra layers of the same pools) or sidecar (own pools, same page ids)."),
+        skip_draft_restore: bool = typer.Option(
+            False, "--debug-skip-draft-restore", help="Debug: prefixes restored from L2/L3 lose "
+            "their draft KV (shows the acceptance collapse that restoring it prevents)."),
         log_level: LogLevel = typer.Option(LogLevel.warning, "--log-level",
                                            help="Server log verbosity (stderr)."),
         fmt: OutputFormat = typer.Option(OutputFormat.human, "--format",
@@ -159,7 +171,9 @@ def register(bench_app: typer.Typer) -> None:
             rank_log_dir=str(rank_log_dir) if rank_log_dir else None,
             inject_divergence=inject_divergence,
             tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None,
-            served_model_name=served_model_name)
+            served_model_name=served_model_name, speculative_num_draft_tokens=spec_tokens,
+            speculative_draft_preset=spec_preset, hicache_draft_layout=draft_layout,
+            debug_skip_draft_restore=skip_draft_restore)
 
         def ready(url: str, engine: Engine) -> None:
             d = engine.describe()

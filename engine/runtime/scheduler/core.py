@@ -29,6 +29,7 @@ from engine.runtime.scheduler.params import (
     SamplingParams,
     SchedulerConfig,
 )
+from engine.runtime.scheduler.spec import SpecConfig, SpecDecoder, cache_layout, request_meta
 from engine.runtime.scheduler.stats import SchedulerMetrics
 
 log = logging.getLogger("hicache.scheduler")
@@ -45,7 +46,8 @@ class _Req:
     __slots__ = ("rid", "ids", "sampling", "namespace", "priority", "cb", "t_arrival",
                  "t_admit", "t_first", "phase", "receipt", "load", "pages", "n_prefix_pages",
                  "kv_len", "out", "cached_device", "cached_host", "cached_storage", "gen",
-                 "aborted", "hashes", "lp_pending", "input_lp")
+                 "aborted", "hashes", "lp_pending", "input_lp", "draft_len", "spec_proposed",
+                 "spec_accepted", "spec_steps", "spec_dropped")
 
     def __init__(self, rid: str, ids: np.ndarray, sampling: SamplingParams,
                  namespace: str | None, priority: int, cb: Callback | None):
@@ -67,6 +69,9 @@ class _Req:
         self.hashes: list = []                      # L3 page hashes of the matched prefix
         self.lp_pending: tuple | None = None        # logprob of the token about to be emitted
         self.input_lp: list | None = None           # prompt logprobs, sent with the first output
+        self.draft_len = 0                          # speculative: positions with draft KV
+        self.spec_proposed = self.spec_accepted = self.spec_steps = 0
+        self.spec_dropped = False
 
     @property
     def prompt_len(self) -> int:
@@ -78,9 +83,12 @@ class _Req:
 
 
 class Scheduler:
-    def __init__(self, model: Model, cache: Any, config: SchedulerConfig | None = None):
+    def __init__(self, model: Model, cache: Any, config: SchedulerConfig | None = None, *,
+                 draft: Model | None = None, spec: "SpecConfig | None" = None):
+        """``draft`` + ``spec``: speculative decoding (engine.runtime.scheduler.spec); the cache
+        then holds the draft's layers too (packed: after the target's; sidecar: own pools)."""
         assert cache.l1 is not None, "the scheduler needs a cache with KV pools (layout set)"
-        assert cache.config.layout == model.kv_layout(cache.page_size), (
+        assert cache.config.layout == cache_layout(model, cache.page_size, draft, spec), (
             "cache layout does not match the model's kv_layout")
         self.model = model
         self.cache = cache
@@ -104,6 +112,7 @@ class Scheduler:
         if cfg.vocab_size == 260 and cfg.bos_id == 256:     # byte vocabulary: PAD, SEP too
             banned += [258, 259]
         self._banned = torch.as_tensor(banned, dtype=torch.long)
+        self.spec = SpecDecoder(self, draft, spec) if draft is not None else None
 
     # -- thread-safe API ------------------------------------------------------------------
     def submit(self, input_ids: Sequence[int] | np.ndarray, sampling: SamplingParams,
@@ -242,8 +251,12 @@ class Scheduler:
         self.step_no += 1
         self.cache.events.set_step(self.step_no)
         self.cache.poll()
+        ran_spec = self._spec_round()
         chunks, reqs = self._build_batch()
         if not chunks:
+            if ran_spec:
+                self.metrics.steps += 1
+                return True
             if block and self._waiting:      # head of the queue waits for room: don't spin
                 self._stop.wait(0.002)
             return False
@@ -256,6 +269,23 @@ class Scheduler:
                 if r.phase is not _Phase.DONE:
                     self._finish(r, FinishReason.ERROR, error=f"internal error: {exc}")
         self.metrics.steps += 1
+        return True
+
+    def _spec_round(self) -> bool:
+        """One speculative round for the greedy requests in decode; False when there are none."""
+        if self.spec is None:
+            return False
+        reqs = [r for r in self._running if r.phase is _Phase.DECODE and self.spec.eligible(r)]
+        if not reqs:
+            return False
+        try:
+            self.spec.round(reqs)
+        except Exception as exc:  # noqa: BLE001 - logged; the round's requests fail
+            log.exception("speculative round failed for %d request(s)", len(reqs))
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            for r in reqs:
+                if r.phase is not _Phase.DONE:
+                    self._finish(r, FinishReason.ERROR, error=f"internal error: {exc}")
         return True
 
     def _drain_inbox(self, block: bool = False) -> None:
@@ -302,8 +332,9 @@ class Scheduler:
         chunks: list[Chunk] = []
         reqs: list[_Req] = []
         budget = self.config.chunked_prefill_size
+        spec = self.spec
         for r in self._running:
-            if r.phase is _Phase.DECODE:
+            if r.phase is _Phase.DECODE and not (spec is not None and spec.eligible(r)):
                 chunks.append(Chunk([r.out[-1]], r.kv_len, r.pages))
                 reqs.append(r)
         for r in self._running:
@@ -345,6 +376,7 @@ class Scheduler:
         r.pages = a.pages
         r.n_prefix_pages = a.n_prefix_pages
         r.kv_len = a.n_prefix_pages * p
+        r.draft_len = r.kv_len            # a cached prefix carries the draft's KV with it
         r.phase = _Phase.PREFILL
         r.t_admit = time.perf_counter()
         self.metrics.queue_time.observe(r.t_admit - r.t_arrival)
@@ -355,6 +387,8 @@ class Scheduler:
         t0 = time.perf_counter()
         logits = self.model.forward(chunks, self.cache.l1.buf, self.page_size, hooks)
         self.metrics.forward_seconds += time.perf_counter() - t0
+        if self.spec is not None:
+            self.spec.mirror(chunks, reqs)
         now = time.perf_counter()
         row = 0
         for c, r in zip(chunks, reqs):
@@ -377,24 +411,32 @@ class Scheduler:
             try:
                 tok = self._sample(rows[-1], r)
             except Exception as exc:  # one request's sampling never fails its batch
-                log.exception("sampling failed for request %s", r.rid)
-                self._finish(r, FinishReason.ERROR, error=f"sampling failed: {exc}")
+                self._fail_sampling(r, exc)
                 continue
-            r.out.append(tok)
-            if math.isnan(r.t_first):
-                r.t_first = now
-            reason = None
-            if tok in r.sampling.stop_token_ids or (tok in self.eos_ids
-                                                    and not r.sampling.ignore_eos):
-                reason = FinishReason.STOP
-            elif len(r.out) >= r.sampling.max_new_tokens:
-                reason = FinishReason.LENGTH
-            if reason is None:
-                # The first token carries the meta known so far (cached tokens, queue time).
-                meta = self._meta(r, None, now) if len(r.out) == 1 else None
-                self._emit(r, RequestOutput(r.rid, [tok], meta=meta))
-            else:
-                self._finish(r, reason, last_token=tok)
+            self._take(r, tok, now)
+
+    def _fail_sampling(self, r: _Req, exc: Exception) -> None:
+        log.exception("sampling failed for request %s", r.rid)
+        self._finish(r, FinishReason.ERROR, error=f"sampling failed: {exc}")
+
+    def _take(self, r: _Req, tok: int, now: float) -> bool:
+        """Record one output token: emit it, or finish the request. True when it finished."""
+        r.out.append(tok)
+        if math.isnan(r.t_first):
+            r.t_first = now
+        reason = None
+        if tok in r.sampling.stop_token_ids or (tok in self.eos_ids
+                                                and not r.sampling.ignore_eos):
+            reason = FinishReason.STOP
+        elif len(r.out) >= r.sampling.max_new_tokens:
+            reason = FinishReason.LENGTH
+        if reason is None:
+            # The first token carries the meta known so far (cached tokens, queue time).
+            meta = self._meta(r, None, now) if len(r.out) == 1 else None
+            self._emit(r, RequestOutput(r.rid, [tok], meta=meta))
+            return False
+        self._finish(r, reason, last_token=tok)
+        return True
 
     def _input_logprobs(self, r: _Req, c: Chunk, rows: torch.Tensor) -> None:
         """Prompt logprobs from a chunk's rows: row k predicts position ``c.start + k + 1``."""
@@ -511,7 +553,8 @@ class Scheduler:
             r.load = None
         own = r.pages[r.n_prefix_pages:]
         if insert and not self.config.disable_radix_cache:
-            n_full = r.kv_len // p
+            valid = r.kv_len if self.spec is None else min(r.kv_len, r.draft_len)
+            n_full = valid // p
             seq = np.concatenate([r.ids, np.asarray(r.out, dtype=np.int64)])[:n_full * p]
             cache.insert(seq, r.pages[:n_full], r.namespace, rid=r.rid, priority=r.priority,
                          prefix_hashes=r.hashes, after=r.receipt)
@@ -536,6 +579,7 @@ class Scheduler:
             "queue_time": _round(r.t_admit - r.t_arrival),
             "ttft": _round(r.t_first - r.t_arrival),
             "e2e_latency": None if reason is None else _round(now - r.t_arrival),
+            **request_meta(r),
         }
 
     def _emit(self, r: _Req, out: RequestOutput) -> None:
@@ -584,3 +628,4 @@ def token_logprobs(logits: torch.Tensor, tok: int, top: int
 
 def _round(v: float) -> float | None:
     return None if math.isnan(v) else round(v, 6)
+

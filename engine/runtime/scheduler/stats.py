@@ -45,6 +45,13 @@ class SchedulerMetrics:
     cached_tokens: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     steps: int = 0
     forward_seconds: float = 0.0
+    # speculative decoding: draft tokens proposed / accepted, target verify passes, tokens they
+    # emitted, seconds in the draft model
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_verify_steps: int = 0
+    spec_emitted: int = 0
+    spec_draft_seconds: float = 0.0
     queue_time: Histogram = dataclasses.field(default_factory=lambda: Histogram(_TIME_BUCKETS))
     ttft: Histogram = dataclasses.field(default_factory=lambda: Histogram(_TIME_BUCKETS))
     e2e_latency: Histogram = dataclasses.field(default_factory=lambda: Histogram(_TIME_BUCKETS))

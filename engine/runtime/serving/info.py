@@ -50,7 +50,8 @@ async def server_info(request: web.Request) -> web.Response:
         "internal_states": [{"page_size": engine.cfg.page_size, "num_running_reqs": running,
                              "num_waiting_reqs": waiting,
                              "max_total_num_tokens": engine.cfg.l1_tokens,
-                             "avg_spec_accept_length": None}],
+                             "avg_spec_accept_length": (d["speculative"] or {}).get(
+                                 "accept_length")}],
         "cache": stats})
 
 

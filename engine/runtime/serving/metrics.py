@@ -70,6 +70,16 @@ def render(m: SchedulerMetrics, cache_stats: dict[str, Any], running: int, waiti
     w.scalar("computed_prompt_tokens_total", "counter",
              "Prompt tokens the model computed (not served from the cache).",
              m.computed_prompt_tokens)
+    w.scalar("spec_proposed_tokens_total", "counter",
+             "Speculative decoding: draft tokens proposed.", m.spec_proposed)
+    w.scalar("spec_accepted_tokens_total", "counter",
+             "Speculative decoding: draft tokens the target accepted.", m.spec_accepted)
+    w.scalar("spec_verify_steps_total", "counter",
+             "Speculative decoding: target verify passes (one per request per round).",
+             m.spec_verify_steps)
+    w.scalar("spec_emitted_tokens_total", "counter",
+             "Speculative decoding: tokens emitted by verify passes (accepted + the target's).",
+             m.spec_emitted)
     fam = w.family("cache_hit_tokens_total", "counter",
                    "Prompt tokens served from the cache, by tier the KV came from.")
     for tier in ("device", "host", "storage"):

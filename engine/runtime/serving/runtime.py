@@ -65,6 +65,11 @@ class ServerConfig:
     tokenizer_dir: str | None = None   # where to export the preset's HF tokenizer (default: temp)
     served_model_name: str | None = None  # the model id clients see (default: the model's name)
     weight_version: str = "default"    # reported as SGLang reports it
+    # speculative decoding (docs/speculative.md): 0 draft tokens = off
+    speculative_num_draft_tokens: int = 0
+    speculative_draft_preset: str = "mirror"
+    hicache_draft_layout: str = "packed"   # packed | sidecar
+    debug_skip_draft_restore: bool = False  # debug: restored prefixes lose their draft KV
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -102,10 +107,32 @@ class ServerConfig:
                 self.hicache_storage_grid is not None:
             raise ValueError("--hicache-storage-grid applies to the unified layout only")
         check_grid_spec(self.hicache_storage_grid)
+        self.spec_config()
         if self.inject_divergence:
             from engine.parallel.divergence import parse_spec
 
             parse_spec(self.inject_divergence)
+
+    def spec_config(self) -> Any:
+        """The speculative-decoding settings, or None when off (checks the options)."""
+        from engine.runtime.model.draft import draft_preset
+        from engine.runtime.scheduler.spec import DraftLayout, SpecConfig
+
+        n = self.speculative_num_draft_tokens
+        if not 0 <= n <= 16:
+            raise ValueError(f"--speculative-num-draft-tokens must be 0..16, got {n}")
+        draft_preset(self.speculative_draft_preset)
+        layout = DraftLayout.parse(self.hicache_draft_layout)
+        if n == 0:
+            return None
+        if layout is DraftLayout.SIDECAR and (self.hicache_storage_backend is not None
+                                              or self.hicache_storage_backend_config is not None):
+            raise ValueError("--hicache-draft-layout sidecar does not support an L3 store yet; "
+                             "use --hicache-draft-layout packed (the draft's layers then travel "
+                             "to L3 in the same objects)")
+        return SpecConfig(num_draft_tokens=n, draft_preset=self.speculative_draft_preset,
+                          draft_layout=layout.value,
+                          debug_skip_draft_restore=self.debug_skip_draft_restore)
 
     def check_memory(self, token_bytes: int, l2_tokens: int, device: str) -> None:
         """Usage error (``ValueError``) naming the option when the L1 pool (on ``device``) or
@@ -152,15 +179,30 @@ class Engine:
         model_dir = cfg.model if os.path.isdir(cfg.model) else None
         self.tokenizer: Tokenizer | None = load_tokenizer(
             model_dir, mc.vocab_size, mc.bos_id, mc.eos_ids[0] if mc.eos_ids else None)
-        layout = self.model.kv_layout(cfg.page_size)
-        token_bytes = layout.page_bytes // cfg.page_size
+        spec = cfg.spec_config()
+        self.draft = None
+        sidecar = None
+        if spec is not None:
+            from engine.runtime.model.draft import make_draft
+            from engine.runtime.scheduler.spec import cache_layout, sidecar_layout
+
+            self.draft = make_draft(self.model, spec.draft_preset)
+            if spec.draft_layout == "sidecar":
+                sidecar = sidecar_layout(self.model, cfg.page_size, self.draft)
+        layout = (self.model.kv_layout(cfg.page_size) if spec is None
+                  else cache_layout(self.model, cfg.page_size, self.draft, spec))
+        token_bytes = (layout.page_bytes + (sidecar.page_bytes if sidecar else 0)) // cfg.page_size
+        self.kv_bytes_per_token = {"target": self.model.kv_layout(cfg.page_size).page_bytes
+                                   // cfg.page_size,
+                                   "draft": token_bytes - self.model.kv_layout(
+                                       cfg.page_size).page_bytes // cfg.page_size}
         self.l2_tokens = cfg.l2_tokens_for(token_bytes)
         cfg.check_memory(token_bytes, self.l2_tokens, self.device)
         self.cache = HiCache(CacheConfig(
             page_size=cfg.page_size, l1_tokens=cfg.l1_tokens, l2_tokens=self.l2_tokens,
             write_policy=cfg.write_policy, write_through_threshold=cfg.write_through_threshold,
             eviction_policy=cfg.eviction_policy, host_layout=cfg.host_layout,
-            device=self.device, layout=layout),
+            device=self.device, layout=layout, sidecar=sidecar),
             events=self._event_log(cfg))
         if cfg.rank_log_dir is not None:      # fail at start, not at shutdown
             from formats.outpath import check_output_dir, check_output_file
@@ -168,6 +210,8 @@ class Engine:
             check_output_dir(cfg.rank_log_dir)
             check_output_file(self._rank_log_path())
         self.model_tag = model_tag(cfg.model, mc)
+        if self.draft is not None:           # the draft's KV is in the objects too
+            self.model_tag += f"+{spec.draft_preset}"
         self.l3_status = "off"
         self.l3_store = None
         if cfg.hicache_storage_backend is not None or \
@@ -176,7 +220,7 @@ class Engine:
         self.scheduler = Scheduler(self.model, self.cache, SchedulerConfig(
             max_running_requests=cfg.max_running_requests,
             chunked_prefill_size=cfg.chunked_prefill_size,
-            disable_radix_cache=cfg.disable_radix_cache))
+            disable_radix_cache=cfg.disable_radix_cache), draft=self.draft, spec=spec)
         self.model_name = cfg.served_model_name or mc.name
         self.weight_version = cfg.weight_version
         self.tokenizer_path, self._tmp_tokenizer = self._tokenizer_dir(cfg, model_dir)
@@ -282,7 +326,10 @@ class Engine:
                 "l3_prefetch_policy": self.cfg.hicache_storage_prefetch_policy
                 if self.cache.l3 is not None else None,
                 "model_path": self.cfg.model, "tokenizer_path": self.tokenizer_path,
-                "served_model_name": self.model_name}
+                "served_model_name": self.model_name,
+                "speculative": None if self.scheduler.spec is None else {
+                    **self.scheduler.spec.stats(),
+                    "kv_bytes_per_token": self.kv_bytes_per_token}}
 
 
 def model_tag(spec: str, mc: Any) -> str:
