@@ -474,6 +474,11 @@ class HiCache:
             for node in op.payload:
                 if node.loading is op:
                     node.loading = None
+                    if op.failed:           # roll back: the node is L2-only again
+                        self.l1_alloc.free(node.l1)
+                        node.l1 = None
+                        node.parent.n_l1_children -= 1
+                        self._push_candidate(node.parent)
                     self._push_candidate(node)
             self.events.emit(EV.RESTORE_DONE, op=op.op_id)
         elif op.kind is OpKind.BACKUP:

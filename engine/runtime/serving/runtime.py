@@ -265,7 +265,11 @@ class Engine:
         from engine.storage.placement import Placement
 
         rank = self.cache.events.rank
-        placement = Placement(cfg.hicache_storage_layout, cfg.hicache_storage_grid,
+        grid = cfg.hicache_storage_grid
+        if grid is None and self.draft is not None and cfg.hicache_storage_layout == "unified":
+            # the draft's layers become objects of their own layer range
+            grid = f"layers={self.model.cfg.num_layers}"
+        placement = Placement(cfg.hicache_storage_layout, grid,
                               tp=(rank.tp_rank, rank.tp_size), pp=(rank.pp_rank, rank.pp_size))
         try:
             store = L3Store.open(scfg, layout, model_tag=self.model_tag, placement=placement)
