@@ -112,7 +112,8 @@ class L3Store:
                  pipeline: bool | None = None, get_pipeline: bool | None = None,
                  deadline_s: float = 0.0):
         self.backend = backend
-        self.guard = CallGuard(f"L3 store ({getattr(backend, 'kind', 'backend')})", deadline_s)
+        kind = getattr(getattr(backend, "kind", None), "value", "backend")
+        self.guard = CallGuard(f"L3 store ({kind})", deadline_s)
         self.exists_deadline_s = deadline_s     # the server lowers it to the prefetch timeout
         self.layout = layout
         self.placement = placement or Placement()
