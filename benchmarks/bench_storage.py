@@ -128,11 +128,11 @@ class Raw:
 
 
 class Ours:
-    def __init__(self, backend, layout: KVLayout, n: int):
+    def __init__(self, backend, layout: KVLayout, n: int, deadline_s: float = 0.0):
         # A one-cell grid: each page is one object, like the raw side (the default grid cuts a
         # page into several objects; docs/storage.md, "Unified layout").
         self.store = L3Store(backend, layout, placement=Placement(
-            grid=f"layers={layout.num_layers},heads={layout.kv_heads}"))
+            grid=f"layers={layout.num_layers},heads={layout.kv_heads}"), deadline_s=deadline_s)
         self.n = n
         self.src = HostPool(layout, n, host_layout="page_first")
         self.src.buf.copy_(torch.randn(self.src.buf.shape, generator=torch.Generator()
@@ -165,12 +165,14 @@ class Ours:
             self.hashes = []
 
 
-def run_backend(kind: str, cfg: StorageConfig, mib: int, repeat: int, workdir: str) -> list:
+def run_backend(kind: str, cfg: StorageConfig, mib: int, repeat: int, workdir: str,
+                deadline_s: float = 0.0) -> list:
     backend = make_backend(cfg)
     rows = []
     try:
         for label, layout in SIZES.items():
-            ours = Ours(backend, layout, max(1, (mib << 20) // layout.page_bytes))
+            ours = Ours(backend, layout, max(1, (mib << 20) // layout.page_bytes),
+                        deadline_s)
             # raw batches: the store's default batch size, fixed whatever ours is tuned to
             raw_batch = max(1, min(32, (8 << 20) // layout.page_bytes))
             raw = Raw(kind, backend, ours.store.object_size, ours.n, raw_batch, workdir)
@@ -211,6 +213,9 @@ def main() -> int:
     ap.add_argument("--dir", help="directory for the file store (default: a temp dir)")
     ap.add_argument("--mooncake-config", help="JSON config of a running Mooncake cluster")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--deadline-s", type=float, default=0.0,
+                    help="L3Store call deadline (the server's default is 5; 0 = unguarded "
+                         "zero-copy gets, the default here)")
     args = ap.parse_args()
 
     workdir = args.dir or tempfile.mkdtemp(prefix="bench-storage-")
@@ -234,7 +239,7 @@ def main() -> int:
                         local_buffer_size=256 << 20, staging_bytes=64 << 20))
             else:
                 raise SystemExit(f"unknown backend {kind!r}")
-            rows += run_backend(kind, cfg, args.mib, args.repeat, workdir)
+            rows += run_backend(kind, cfg, args.mib, args.repeat, workdir, args.deadline_s)
     finally:
         if master is not None:
             master.stop()

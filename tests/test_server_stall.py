@@ -8,9 +8,11 @@ import os
 import signal
 import time
 
+import pytest
 import requests
 
 from engine.runtime.serving import ServerConfig, start_server
+from tests.mooncake_master import MooncakeMaster
 from tests.test_server_storage import PROMPT, cli_server, generate, metrics
 from tests.test_storage_stall import hold_lock
 
@@ -82,3 +84,40 @@ def test_fifo_in_the_store_on_restart_is_a_miss(tmp_path):
         assert requests.get(s.url + "/flush_cache", timeout=30).status_code == 200
         assert requests.get(s.url + "/health", timeout=10).json()["status"] == "ok"
         assert metrics(s.url)['hicache_l3_pages_total{outcome="corrupt"}'] >= 1
+
+
+@pytest.mark.mooncake
+def test_stopped_mooncake_master_never_stalls_the_server(tmp_path):
+    """A master that stops answering mid-run (SIGSTOP): requests, /flush_cache and SIGTERM
+    finish, outputs stay right, /health says degraded while a call is stuck."""
+    want = uncached_ids(PROMPT)
+    m = MooncakeMaster(tmp_path / "m").start()
+    conf = tmp_path / "l3.json"
+    conf.write_text(json.dumps({"backend": "mooncake", "deadline_s": 0.5, "mooncake": {
+        "master_server_address": f"127.0.0.1:{m.rpc_port}",
+        "metadata_server": f"http://127.0.0.1:{m.http_port}/metadata",
+        "global_segment_size": "128mb", "local_buffer_size": "64mb",
+        "staging_bytes": "8mb"}}))
+    proc, url = cli_server("--l1-tokens", "1024", "--l2-tokens", "2048",
+                           "--hicache-storage-backend-config", str(conf),
+                           "--hicache-storage-prefetch-policy", "wait_complete")
+    try:
+        assert generate(url)["output_ids"] == want
+        os.kill(m.proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert requests.get(url + "/flush_cache", timeout=60).status_code == 200
+        assert generate(url)["output_ids"] == want       # L2/L3 gone: from the store or computed
+        assert requests.get(url + "/flush_cache", timeout=60).status_code == 200
+        assert generate(url)["output_ids"] == want
+        assert time.monotonic() - t0 < 60
+        assert requests.get(url + "/health", timeout=10).status_code == 200
+        t1 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+        assert time.monotonic() - t1 < 60
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.kill(m.proc.pid, signal.SIGCONT)
+        m.stop()

@@ -76,7 +76,7 @@ class CallGuard:
         self.deadline_s = float(deadline_s)
         self._lock = threading.Lock()
         self._lanes = {lane: _Lane(f"{name}-{lane}") for lane in ("data", "query")}
-        self._stuck: _Call | None = None
+        self._stuck: list[_Call] = []     # abandoned calls that have not returned yet
         self.reason: str | None = None
         self.since: float | None = None
         self.counters = Counters("abandoned", "refused", "recovered")
@@ -92,15 +92,16 @@ class CallGuard:
             return self._check_stuck()
 
     def _check_stuck(self) -> bool:
-        stuck = self._stuck
-        if stuck is None:
+        if not self._stuck:
             return False
-        if not stuck.done.is_set():
+        back = [c for c in self._stuck if c.done.is_set()]
+        if back:
+            self._stuck = [c for c in self._stuck if not c.done.is_set()]
+            self.counters.add("recovered", len(back))
+        if self._stuck:
             return True
-        self._stuck = None
-        self.counters.add("recovered")
         log.warning("%s: the abandoned %s returned after %.1fs; the store is healthy again",
-                    self.name, stuck.what, time.monotonic() - (self.since or 0.0))
+                    self.name, back[-1].what, time.monotonic() - (self.since or 0.0))
         self.reason = self.since = None
         return False
 
@@ -120,9 +121,10 @@ class CallGuard:
         if not call.done.wait(limit):
             with self._lock:
                 if not call.done.is_set():
-                    self._stuck = call
-                    self.since = time.monotonic()
-                    self.reason = f"{what} did not return within {limit:.3g}s"
+                    self._stuck.append(call)
+                    if self.since is None:
+                        self.since = time.monotonic()
+                        self.reason = f"{what} did not return within {limit:.3g}s"
                     self.counters.add("abandoned")
                     log.warning("%s degraded: %s; L3 calls fail fast until it returns",
                                 self.name, self.reason)
