@@ -202,3 +202,18 @@ def test_bad_speculative_options_are_usage_errors():
                      hicache_storage_backend="file")
     with pytest.raises(ValueError, match="0..16"):
         ServerConfig(speculative_num_draft_tokens=99)
+
+
+def test_bench_run_reports_tokens_per_target_step():
+    from engine.loadgen import LoadConfig, multiturn, run_load, summarize_result
+
+    h = start_server(ServerConfig(port=0, l1_tokens=2048, l2_tokens=4096,
+                                  speculative_num_draft_tokens=4))
+    try:
+        wl = multiturn(num_clients=2, num_rounds=2, request_length=48, output_length=12,
+                       vocab_size=256, seed=0)
+        rep = summarize_result(run_load(wl, LoadConfig(url=h.url, concurrency=2)))
+    finally:
+        h.stop()
+    assert rep["requests"]["ok"] == 4
+    assert rep["tokens_per_target_step"] > 1.5         # the draft's tokens were accepted

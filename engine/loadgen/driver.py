@@ -99,6 +99,8 @@ class RequestRecord:
     e2e_latency: float = math.nan
     """Client-measured: send to last byte."""
     server_e2e_latency: float = math.nan
+    spec_verify_steps: int = 0
+    """Speculative decoding: target verify passes that produced this request's tokens."""
     output_ids: list[int] | None = dataclasses.field(default=None, repr=False)
 
     @property
@@ -177,6 +179,7 @@ def _fill(rec: RequestRecord, body: dict, output_ids: list[int]) -> None:
         rec.cached_device = _inum(det.get("device"))
         rec.cached_host = _inum(det.get("host"))
         rec.cached_storage = _inum(det.get("storage"))
+    rec.spec_verify_steps = _inum(meta.get("spec_verify_steps"))
     rec.queue_time = _fnum(meta.get("queue_time"))
     rec.server_e2e_latency = _fnum(meta.get("e2e_latency"))
     ttft = _fnum(meta.get("ttft"))

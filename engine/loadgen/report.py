@@ -41,6 +41,8 @@ def summarize(records: Sequence[RequestRecord], wall_s: float, *, workload: str 
     def rate(n: int) -> float | None:
         return n / prompt if prompt else None
 
+    spec = [r for r in ok if r.spec_verify_steps]
+    spec_steps = sum(r.spec_verify_steps for r in spec)
     first_error = next((f"{r.status}: {r.error}" for r in records if not r.ok and r.error), None)
     return {
         "workload": workload,
@@ -54,6 +56,9 @@ def summarize(records: Sequence[RequestRecord], wall_s: float, *, workload: str 
         "ttft_s": latency_stats([r.ttft for r in ok]),
         "queue_time_s": latency_stats([r.queue_time for r in ok]),
         "e2e_latency_s": latency_stats([r.e2e_latency for r in ok]),
+        # speculative decoding: output tokens per target forward (1.0 without speculation)
+        "tokens_per_target_step": (sum(r.completion_tokens - 1 for r in spec) / spec_steps
+                                   if spec_steps else None),
         "throughput": {
             "requests_per_s": len(ok) / wall,
             "input_tokens_per_s": prompt / wall,

@@ -145,6 +145,8 @@ def report_rows(rep: dict) -> list[tuple[str, str]]:
         ("input tokens/s", f"{thr['input_tokens_per_s']:.0f}"),
         ("output tokens/s", f"{thr['output_tokens_per_s']:.0f}"),
     ]
+    if rep.get("tokens_per_target_step") is not None:     # speculative decoding on the server
+        rows.append(("tokens / target step", f"{rep['tokens_per_target_step']:.2f}"))
     return rows
 
 
