@@ -164,7 +164,8 @@ def test_a_failed_restore_rolls_back_target_and_draft_together(models):
     c.close()
 
 
-def test_server_reports_speculation_and_l3_restores_the_draft(tmp_path):
+@pytest.mark.parametrize("layout", ["packed", "sidecar"])
+def test_server_reports_speculation_and_l3_restores_the_draft(tmp_path, layout):
     body = {"input_ids": prompts(1, length=100)[0],
             "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}
     common = dict(port=0, l1_tokens=1024, l2_tokens=2048, hicache_storage_backend="file",
@@ -177,7 +178,8 @@ def test_server_reports_speculation_and_l3_restores_the_draft(tmp_path):
         plain.stop()
     metas = []
     for _ in range(2):           # the second server starts cold: the prefix comes from L3
-        h = start_server(ServerConfig(**common, speculative_num_draft_tokens=4))
+        h = start_server(ServerConfig(**common, speculative_num_draft_tokens=4,
+                                      hicache_draft_layout=layout))
         try:
             out = requests.post(h.url + "/generate", json=body, timeout=60).json()
             assert out["output_ids"] == want
@@ -197,9 +199,9 @@ def test_server_reports_speculation_and_l3_restores_the_draft(tmp_path):
 def test_bad_speculative_options_are_usage_errors():
     with pytest.raises(ValueError, match="draft preset"):
         ServerConfig(speculative_num_draft_tokens=2, speculative_draft_preset="nope")
-    with pytest.raises(ValueError, match="sidecar does not support an L3"):
+    with pytest.raises(ValueError, match="cannot be combined"):
         ServerConfig(speculative_num_draft_tokens=2, hicache_draft_layout="sidecar",
-                     hicache_storage_backend="file")
+                     hicache_storage_backend="file", hicache_storage_grid="layers=2")
     with pytest.raises(ValueError, match="0..16"):
         ServerConfig(speculative_num_draft_tokens=99)
 

@@ -72,3 +72,45 @@ class PairedPool:
     @property
     def nbytes(self) -> int:
         return sum(p.buf.numel() * p.buf.element_size() for p in (self.target, self.sidecar))
+
+
+class PairedStore:
+    """Two L3 stores behind one: the target's objects and the draft's, one per pool of a
+    :class:`PairedPool` host pool. A page counts as stored (and is fetched) only when both halves
+    are, so a prefix never comes back from L3 without its draft state. The draft's store
+    shares the target store's backend; its objects carry the draft's own layer range."""
+
+    def __init__(self, target, draft):
+        self.target, self.draft = target, draft
+        self.guard = target.guard
+
+    @property
+    def exists_deadline_s(self) -> float:
+        return self.target.exists_deadline_s
+
+    @exists_deadline_s.setter
+    def exists_deadline_s(self, v: float) -> None:
+        self.target.exists_deadline_s = self.draft.exists_deadline_s = v
+
+    @property
+    def degraded(self) -> bool:
+        return self.target.degraded or self.draft.degraded
+
+    def exists_prefix(self, hashes) -> int:
+        n = self.target.exists_prefix(hashes)
+        return self.draft.exists_prefix(hashes[:n]) if n else 0
+
+    def put_pages(self, hashes, pool: PairedPool, pages) -> int:
+        n = self.target.put_pages(hashes, pool.target, pages)
+        return min(n, self.draft.put_pages(hashes, pool.sidecar, pages))
+
+    def get_pages(self, hashes, pool: PairedPool, pages) -> int:
+        n = self.target.get_pages(hashes, pool.target, pages)
+        return self.draft.get_pages(hashes[:n], pool.sidecar, pages[:n]) if n else 0
+
+    def stats(self) -> dict:
+        return {**self.target.stats(), "draft": self.draft.stats()}
+
+    def close(self) -> None:
+        self.draft.close(close_backend=False)
+        self.target.close()

@@ -125,11 +125,9 @@ class ServerConfig:
         layout = DraftLayout.parse(self.hicache_draft_layout)
         if n == 0:
             return None
-        if layout is DraftLayout.SIDECAR and (self.hicache_storage_backend is not None
-                                              or self.hicache_storage_backend_config is not None):
-            raise ValueError("--hicache-draft-layout sidecar does not support an L3 store yet; "
-                             "use --hicache-draft-layout packed (the draft's layers then travel "
-                             "to L3 in the same objects)")
+        if layout is DraftLayout.SIDECAR and self.hicache_storage_grid is not None:
+            raise ValueError("--hicache-storage-grid cannot be combined with --hicache-draft-"
+                             "layout sidecar (the draft's objects get a grid of their own)")
         return SpecConfig(num_draft_tokens=n, draft_preset=self.speculative_draft_preset,
                           draft_layout=layout.value,
                           debug_skip_draft_restore=self.debug_skip_draft_restore)
@@ -273,6 +271,8 @@ class Engine:
                               tp=(rank.tp_rank, rank.tp_size), pp=(rank.pp_rank, rank.pp_size))
         try:
             store = L3Store.open(scfg, layout, model_tag=self.model_tag, placement=placement)
+            if self.cache.config.sidecar is not None:
+                store = self._sidecar_store(store, cfg)
         except StorageError as exc:
             if scfg.backend is BackendKind.FILE:   # a local path: a configuration error
                 raise InputError(f"L3 file store: {exc}") from None
@@ -289,6 +289,29 @@ class Engine:
                              prefetch_policy=cfg.hicache_storage_prefetch_policy,
                              prefetch_timeout=cfg.hicache_storage_prefetch_timeout)
         self.l3_status = f"on ({scfg.backend.value}, {placement.label(layout)})"
+
+    def _sidecar_store(self, store, cfg: ServerConfig):
+        """Sidecar draft layout: a second store for the draft's pool, on the same backend, its
+        objects cut at a grid that fits the draft's layer range (gcd of target and draft)."""
+        import math
+
+        from engine.cache.sidecar import PairedStore
+        from engine.storage import L3Store
+        from engine.storage.placement import Placement
+
+        side = self.cache.config.sidecar
+        rank = self.cache.events.rank
+        grid = f"layers={math.gcd(side.layer_start, side.num_layers)}"
+        placement = Placement(cfg.hicache_storage_layout,
+                              grid if cfg.hicache_storage_layout == "unified" else None,
+                              tp=(rank.tp_rank, rank.tp_size), pp=(rank.pp_rank, rank.pp_size))
+        try:
+            draft = L3Store(store.backend, side, model_tag=self.model_tag, placement=placement,
+                            deadline_s=store.guard.deadline_s)
+        except BaseException:
+            store.close()
+            raise
+        return PairedStore(store, draft)
 
     def start(self) -> None:
         self.scheduler.start()
