@@ -43,9 +43,10 @@ class CPCache:
     """
 
     def __init__(self, config: CacheConfig, cp_size: int, events: EventLog | None = None,
-                 policy: EvictionPolicy | None = None, rank: int = 0):
+                 policy: EvictionPolicy | None = None, rank: int = 0, group: Any = None):
         self.shape = shape = CPShape(cp_size, config.page_size)
         self.rank = rank
+        self.group = group          # the CP process group when the ranks run (poll agrees)
         strict = config.layout is not None
         self.cache = HiCache(config, events=events, policy=policy,
                              allocator=lambda name, n, _p: OwnerAllocator(shape, n, name,
@@ -130,6 +131,20 @@ class CPCache:
                          load if load is not None and load.ops else None,
                          device_len=m.l1_len, host_len=m.loaded_len - storage,
                          storage_len=storage, hashes=m.hashes)
+
+    def poll(self, limits: dict | None = None) -> dict[str, int]:
+        """Commit finished transfers. With a process group, the ranks first agree on how many
+        of each queue to commit — the fewest any rank has finished (``all_reduce(MIN)``) — so
+        every rank's tree changes at the same step whatever its copy speed."""
+        if self.group is None or limits is not None:
+            return self.cache.poll(limits)
+        import torch
+        import torch.distributed as dist
+
+        queues = ("load", "backup")
+        ready = torch.tensor([self.cache.ready_count(q) for q in queues], dtype=torch.int64)
+        dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=self.group)
+        return self.cache.poll(limits=dict(zip(queues, ready.tolist())))
 
     # ------------------------------------------------------------------ insert
     def insert(self, tokens, pages: np.ndarray, namespace: str | None = None, rid: Any = None,

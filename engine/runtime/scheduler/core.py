@@ -105,6 +105,9 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()          # guards _by_rid between submit and the loop
+        # What the forward reads and writes KV through: None = the cache's L1 pool; a CP rank
+        # sets ``kv_source(chunks, layer_hooks)`` returning a ShardedKV (engine.runtime.cp_kv).
+        self.kv_source: Callable[[list[Chunk], list], Any] | None = None
         cfg = model.cfg
         self.vocab_size = cfg.vocab_size
         self.eos_ids = frozenset(cfg.eos_ids)
@@ -385,7 +388,12 @@ class Scheduler:
     def _run_batch(self, chunks: list[Chunk], reqs: list[_Req]) -> None:
         hooks = [r.load.wait_layer for r in reqs if r.load is not None]
         t0 = time.perf_counter()
-        logits = self.model.forward(chunks, self.cache.l1.buf, self.page_size, hooks)
+        kv = self.cache.l1.buf if self.kv_source is None else self.kv_source(chunks, hooks)
+        try:
+            logits = self.model.forward(chunks, kv, self.page_size, hooks)
+        finally:
+            if kv is not self.cache.l1.buf:
+                kv.close()
         self.metrics.forward_seconds += time.perf_counter() - t0
         if self.spec is not None:
             self.spec.mirror(chunks, reqs)
