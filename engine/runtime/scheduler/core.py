@@ -14,7 +14,6 @@ import math
 import queue
 import threading
 import time
-import zlib
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -22,6 +21,7 @@ import torch
 
 from engine.core.errors import InputError, OutOfCapacity
 from engine.runtime.model import Chunk, Model
+from engine.runtime.scheduler import sampling
 from engine.runtime.scheduler.params import (
     Callback,
     FinishReason,
@@ -386,6 +386,11 @@ class Scheduler:
         return True
 
     def _run_batch(self, chunks: list[Chunk], reqs: list[_Req]) -> None:
+        logits = self._forward(chunks, reqs)
+        self._apply(chunks, reqs, self._decide(chunks, reqs, logits), time.perf_counter())
+
+    def _forward(self, chunks: list[Chunk], reqs: list[_Req]) -> torch.Tensor | None:
+        """The model over the batch: logits (``None`` where a pipeline stage has none)."""
         hooks = [r.load.wait_layer for r in reqs if r.load is not None]
         t0 = time.perf_counter()
         kv = self.cache.l1.buf if self.kv_source is None else self.kv_source(chunks, hooks)
@@ -397,13 +402,34 @@ class Scheduler:
         self.metrics.forward_seconds += time.perf_counter() - t0
         if self.spec is not None:
             self.spec.mirror(chunks, reqs)
-        now = time.perf_counter()
+        return logits
+
+    def _decide(self, chunks: list[Chunk], reqs: list[_Req], logits: torch.Tensor) -> list:
+        """Per chunk: ``(token | None, error | None, logprob, prompt logprobs)`` — what the
+        logits make of it (a token only where the chunk completes the prompt or decodes)."""
+        out: list = []
         row = 0
         for c, r in zip(chunks, reqs):
             n_rows = len(c) if c.all_logits else int(c.logits)
             rows, row = logits[row:row + n_rows], row + n_rows
             if c.all_logits:
                 self._input_logprobs(r, c, rows)
+            done_prompt = r.phase is not _Phase.PREFILL or r.kv_len + len(c) >= r.prompt_len
+            if not done_prompt or r.sampling.max_new_tokens == 0:
+                out.append((None, None, None, r.input_lp))
+                continue
+            try:
+                out.append((self._sample(rows[-1], r), None, r.lp_pending, r.input_lp))
+            except Exception as exc:  # one request's sampling never fails its batch
+                log.exception("sampling failed for request %s", r.rid)
+                out.append((None, f"sampling failed: {exc}", None, r.input_lp))
+        return out
+
+    def _apply(self, chunks: list[Chunk], reqs: list[_Req], decisions: list, now: float) -> None:
+        """Advance each request by its chunk and take its decided token (every stage of a
+        pipeline applies the same decisions)."""
+        for c, r, (tok, err, lp, input_lp) in zip(chunks, reqs, decisions):
+            r.lp_pending, r.input_lp = lp, input_lp
             r.load = None                  # every layer hook has returned: the prefix is in L1
             prefill = r.phase is _Phase.PREFILL
             r.kv_len += len(c)
@@ -416,10 +442,8 @@ class Scheduler:
                     r.t_first = now
                     self._finish(r, FinishReason.LENGTH)
                     continue
-            try:
-                tok = self._sample(rows[-1], r)
-            except Exception as exc:  # one request's sampling never fails its batch
-                self._fail_sampling(r, exc)
+            if err is not None:
+                self._finish(r, FinishReason.ERROR, error=err)
                 continue
             self._take(r, tok, now)
 
@@ -447,79 +471,10 @@ class Scheduler:
         return True
 
     def _input_logprobs(self, r: _Req, c: Chunk, rows: torch.Tensor) -> None:
-        """Prompt logprobs from a chunk's rows: row k predicts position ``c.start + k + 1``."""
-        start = min(r.sampling.input_logprobs_from or 0, r.prompt_len - 1)
-        if r.input_lp is None:
-            r.input_lp = []
-            if start == 0:                 # nothing predicts the first token
-                r.input_lp.append((int(r.ids[0]), None, []))
-        top = r.sampling.top_logprobs
-        lp = torch.log_softmax(rows.float(), dim=-1)
-        for k in range(len(c)):
-            p = c.start + k + 1
-            if start <= p < r.prompt_len and p >= max(start, 1):
-                t = int(r.ids[p])
-                alts: list[tuple[int, float]] = []
-                if top > 0:
-                    v, i = torch.topk(lp[k], min(top, lp.shape[-1]))
-                    alts = [(int(a), float(b)) for a, b in zip(i.tolist(), v.tolist())]
-                r.input_lp.append((t, float(lp[k, t]), alts))
-
-    def _adjust(self, logits: torch.Tensor, r: _Req) -> torch.Tensor:
-        """The logits sampling sees: banned specials, penalties, EOS held back before
-        ``min_new_tokens``. Returns ``logits`` itself when nothing applies."""
-        sp = r.sampling
-        hold = len(r.out) < sp.min_new_tokens
-        if not (self._banned.numel() or sp.penalized or hold):
-            return logits
-        x = logits.float().clone()
-        if sp.penalized and (r.out or sp.repetition_penalty != 1.0):
-            out = torch.as_tensor(r.out, dtype=torch.long, device=x.device)
-            if sp.repetition_penalty != 1.0:
-                seen = torch.unique(torch.cat([torch.as_tensor(r.ids, device=x.device), out]))
-                v = x[seen]
-                x[seen] = torch.where(v > 0, v / sp.repetition_penalty,
-                                      v * sp.repetition_penalty)
-            if len(r.out) and (sp.frequency_penalty or sp.presence_penalty):
-                counts = torch.bincount(out, minlength=x.numel()).to(x.dtype)
-                x -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(x.dtype)
-        if hold:
-            stops = [t for t in (*sp.stop_token_ids, *self.eos_ids) if 0 <= t < x.numel()]
-            if stops:
-                x[torch.as_tensor(stops, dtype=torch.long)] = -math.inf
-        if self._banned.numel():
-            x[self._banned] = -math.inf
-        return x
+        sampling.input_logprobs(r, c, rows)
 
     def _sample(self, logits: torch.Tensor, r: _Req) -> int:
-        sp = r.sampling
-        logits = self._adjust(logits, r)
-        if sp.greedy:
-            tok = int(torch.argmax(logits))
-        else:
-            tok = self._draw(logits, r)
-        if sp.logprobs:
-            r.lp_pending = token_logprobs(logits, tok, sp.top_logprobs)
-        return tok
-
-    def _draw(self, logits: torch.Tensor, r: _Req) -> int:
-        sp = r.sampling
-        if r.gen is None:
-            seed = sp.seed if sp.seed is not None else zlib.crc32(r.rid.encode())
-            r.gen = torch.Generator().manual_seed(seed)
-        x = logits.float() / sp.temperature
-        if self._banned.numel():             # -inf / inf (a huge temperature) is nan
-            x[self._banned] = -math.inf
-        if sp.top_k > 0:
-            kth = torch.topk(x, min(sp.top_k, x.numel())).values[-1]
-            x = x.masked_fill(x < kth, -math.inf)
-        probs = torch.softmax(x, dim=-1)
-        if sp.top_p < 1:
-            sp_, idx = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sp_, 0) - sp_ < sp.top_p
-            keep[0] = True                   # a top_p below float32 resolution keeps the top
-            probs = torch.zeros_like(probs).scatter_(0, idx[keep], sp_[keep])
-        return int(torch.multinomial(probs.cpu(), 1, generator=r.gen))
+        return sampling.sample(logits, r, self._banned, self.eos_ids)
 
     # -- finishing ------------------------------------------------------------------------
     def _finish(self, r: _Req, reason: FinishReason, *, last_token: int | None = None,
@@ -620,18 +575,6 @@ def _match_len(r: _Req) -> int:
     if r.sampling.input_logprobs_from is not None:
         n = min(n, max(r.sampling.input_logprobs_from - 1, 0))
     return n
-
-
-def token_logprobs(logits: torch.Tensor, tok: int, top: int
-                   ) -> tuple[float, list[tuple[int, float]]]:
-    """``(logprob of tok, [(id, logprob)] of the top ``top`` tokens)`` under ``logits``
-    (after penalties, before temperature, top-k and top-p)."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    alts: list[tuple[int, float]] = []
-    if top > 0:
-        v, i = torch.topk(lp, min(top, lp.numel()))
-        alts = [(int(a), float(b)) for a, b in zip(i.tolist(), v.tolist())]
-    return float(lp[tok]), alts
 
 
 def _round(v: float) -> float | None:
