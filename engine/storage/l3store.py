@@ -427,11 +427,18 @@ class L3Store:
                                     self.backend.quarantine(keys[i])
                                 return n_ok
                         if not all(direct):
-                            page = self._page_tensor(host_pool, ps[j])
+                            page = None
                             for t, part in enumerate(self.parts):
-                                if not direct[t]:
-                                    page[part.in_page].copy_(
-                                        self._as_tile(payloads[j * T + t], part)[part.in_tile])
+                                if direct[t]:
+                                    continue
+                                if self._direct(part):     # guarded: one memcpy into place
+                                    np.copyto(self._pool_view(ps[j], part),
+                                              payloads[j * T + t])
+                                    continue
+                                if page is None:
+                                    page = self._page_tensor(host_pool, ps[j])
+                                page[part.in_page].copy_(
+                                    self._as_tile(payloads[j * T + t], part)[part.in_tile])
                         n_ok += 1
             finally:
                 if nxt is not None:     # a fetch still writing into the arena: let it finish
