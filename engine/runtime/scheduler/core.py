@@ -47,7 +47,7 @@ class _Req:
                  "t_admit", "t_first", "phase", "receipt", "load", "pages", "n_prefix_pages",
                  "kv_len", "out", "cached_device", "cached_host", "cached_storage", "gen",
                  "aborted", "hashes", "lp_pending", "input_lp", "draft_len", "spec_proposed",
-                 "spec_accepted", "spec_steps", "spec_dropped")
+                 "spec_accepted", "spec_steps", "spec_dropped", "pd")
 
     def __init__(self, rid: str, ids: np.ndarray, sampling: SamplingParams,
                  namespace: str | None, priority: int, cb: Callback | None):
@@ -72,6 +72,7 @@ class _Req:
         self.draft_len = 0                          # speculative: positions with draft KV
         self.spec_proposed = self.spec_accepted = self.spec_steps = 0
         self.spec_dropped = False
+        self.pd: dict | None = None                 # P/D: where the prompt's KV came from
 
     @property
     def prompt_len(self) -> int:
@@ -116,6 +117,8 @@ class Scheduler:
             banned += [258, 259]
         self._banned = torch.as_tensor(banned, dtype=torch.long)
         self.spec = SpecDecoder(self, draft, spec) if draft is not None else None
+        # P/D decode worker: fetches what admission lacks (engine.runtime.pd.decode.PDClient)
+        self.remote: Any = None
 
     # -- thread-safe API ------------------------------------------------------------------
     def submit(self, input_ids: Sequence[int] | np.ndarray, sampling: SamplingParams,
@@ -380,6 +383,12 @@ class Scheduler:
         r.n_prefix_pages = a.n_prefix_pages
         r.kv_len = a.n_prefix_pages * p
         r.draft_len = r.kv_len            # a cached prefix carries the draft's KV with it
+        if self.remote is not None:        # the rest of the matched part comes over the link
+            r.pd = {"decode_device": a.device_len, "decode_host": a.host_len,
+                    "decode_storage": a.storage_len}
+            h = self.remote.fetch(r.rid, r.namespace, matched, r.kv_len, r.pages, r.load, r.pd)
+            if h is not None:
+                r.load, r.kv_len = h, len(matched)
         r.phase = _Phase.PREFILL
         r.t_admit = time.perf_counter()
         self.metrics.queue_time.observe(r.t_admit - r.t_arrival)
@@ -430,7 +439,11 @@ class Scheduler:
         pipeline applies the same decisions)."""
         for c, r, (tok, err, lp, input_lp) in zip(chunks, reqs, decisions):
             r.lp_pending, r.input_lp = lp, input_lp
+            failed = getattr(r.load, "error", None)   # a P/D transfer that did not arrive
             r.load = None                  # every layer hook has returned: the prefix is in L1
+            if failed:
+                self._finish(r, FinishReason.ERROR, error=failed)
+                continue
             prefill = r.phase is _Phase.PREFILL
             r.kv_len += len(c)
             if prefill:
@@ -543,6 +556,7 @@ class Scheduler:
             "ttft": _round(r.t_first - r.t_arrival),
             "e2e_latency": None if reason is None else _round(now - r.t_arrival),
             **request_meta(r),
+            **({"pd_transfer": dict(r.pd)} if r.pd is not None else {}),
         }
 
     def _emit(self, r: _Req, out: RequestOutput) -> None:

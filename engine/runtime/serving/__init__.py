@@ -67,12 +67,21 @@ class ServerHandle:
         self.stop()
 
 
+def make_engine(cfg: ServerConfig) -> Engine:
+    """A plain :class:`Engine`, or the P/D decode worker for ``--disaggregation pd|decode``."""
+    if cfg.disaggregation is None:
+        return Engine(cfg)
+    from engine.runtime.pd.serve import make_engine as make_pd_engine
+
+    return make_pd_engine(cfg)
+
+
 def start_server(cfg: ServerConfig, engine: Engine | None = None) -> ServerHandle:
     """Build (unless given) and start the engine and the HTTP server; return once listening.
 
     ``cfg.port = 0`` picks a free port (see ``handle.url``).
     """
-    engine = engine or Engine(cfg)
+    engine = engine or make_engine(cfg)
     engine.start()
     loop = asyncio.new_event_loop()
     ready: dict = {}
@@ -107,7 +116,7 @@ def serve(cfg: ServerConfig, on_ready: Callable[[str, Engine], None] | None = No
 
     ``on_exit`` runs after the scheduler stopped (the cache is quiescent), before it closes.
     """
-    engine = Engine(cfg)
+    engine = make_engine(cfg)
     engine.start()
 
     async def main() -> None:

@@ -259,8 +259,13 @@ async def metrics(request: web.Request) -> web.Response:
         info = {k: v for k, v in engine.describe().items()
                 if k in ("model", "attention", "device", "page_size", "host_layout",
                          "write_policy", "l3")}
-        return prom.render(sched.metrics, engine.cache.stats(), sched.num_running(),
+        text = prom.render(sched.metrics, engine.cache.stats(), sched.num_running(),
                            sched.num_waiting(), info)
+        if hasattr(engine, "pd_stats"):          # P/D decode worker: the link's audit
+            from engine.runtime.pd.metrics import render_pd
+
+            text += render_pd(engine.pd_stats())
+        return text
 
     text = await _on_scheduler(engine, collect)
     return web.Response(text=text, content_type="text/plain", charset="utf-8",

@@ -78,6 +78,9 @@ async def health(request: web.Request) -> web.Response:
     if not engine.scheduler.alive:
         return error_response(503, engine.scheduler.last_error or "scheduler not running",
                               "server_error")
+    pd_down = engine.pd_health() if hasattr(engine, "pd_health") else None
+    if pd_down is not None:    # the HTTP front end is up; requests needing prefill fail
+        return error_response(503, pd_down, "server_error")
     reason = engine.storage_degraded()
     if reason is not None:     # still serving (L3 calls fail fast), but say why it is slower
         return web.json_response({"status": "degraded", "reason": f"L3 store: {reason}"})

@@ -70,6 +70,12 @@ class ServerConfig:
     speculative_draft_preset: str = "mirror"
     hicache_draft_layout: str = "packed"   # packed | sidecar
     debug_skip_draft_restore: bool = False  # debug: restored prefixes lose their draft KV
+    # P/D disaggregation (engine.runtime.pd, docs/pd.md): None | pd | prefill | decode
+    disaggregation: str | None = None
+    pd_addr: str = "127.0.0.1:0"       # where the prefill worker's link listens (0: pick one)
+    pd_decode_reuse: bool = True       # decode matches its own cache before asking prefill
+    pd_transfer_timeout: float = 30.0  # seconds a request waits for its KV on the link
+    pd_inject_fault: str | None = None  # debug: die-after-layers:N | delay:S (prefill worker)
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -108,6 +114,10 @@ class ServerConfig:
             raise ValueError("--hicache-storage-grid applies to the unified layout only")
         check_grid_spec(self.hicache_storage_grid)
         self.spec_config()
+        if self.disaggregation is not None:
+            from engine.runtime.pd.serve import check_options
+
+            check_options(self)
         if self.inject_divergence:
             from engine.parallel.divergence import parse_spec
 

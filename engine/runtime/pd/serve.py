@@ -1,0 +1,138 @@
+"""``bench serve --disaggregation pd|prefill|decode``: the worker processes around the link.
+
+* ``pd``: this process serves the HTTP API and is the decode worker; it starts the prefill
+  worker as a child process (its own model copy and cache stack) and links to it.
+* ``prefill``: this process is a prefill worker only (no HTTP); its link listens on
+  ``--pd-addr``. ``decode``: the decode worker and HTTP front end, linking to a prefill worker
+  already listening at ``--pd-addr`` (another host, say).
+
+Both workers build their model from the same ``--model``/``--seed``: the KV one computes is
+the KV the other would have computed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import multiprocessing
+from typing import Any
+
+from engine.runtime.pd.decode import PDClient
+from engine.runtime.pd.link import DECODE, PREFILL, PDLink
+from engine.runtime.pd.prefill import PrefillWorker, parse_fault
+from engine.runtime.serving.runtime import Engine, ServerConfig
+
+log = logging.getLogger("hicache.pd")
+
+ROLES = ("pd", "prefill", "decode")
+CONNECT_TIMEOUT_S = 120.0
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"--pd-addr: expected HOST:PORT, got {addr!r}")
+    return host.strip("[]"), int(port)
+
+
+def check_options(cfg: ServerConfig) -> None:
+    """Usage errors (``ValueError``) for the P/D options."""
+    if cfg.disaggregation not in ROLES:
+        raise ValueError(f"--disaggregation: choose one of {', '.join(ROLES)}, got "
+                         f"{cfg.disaggregation!r}")
+    _, port = parse_addr(cfg.pd_addr)
+    if cfg.disaggregation != "pd" and port == 0:
+        raise ValueError(f"--disaggregation {cfg.disaggregation} needs --pd-addr HOST:PORT "
+                         f"(where the prefill worker listens)")
+    if cfg.speculative_num_draft_tokens:
+        raise ValueError("--disaggregation does not combine with speculative decoding yet "
+                         "(the link carries the target's KV only)")
+    t = cfg.pd_transfer_timeout
+    if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
+        raise ValueError(f"--pd-transfer-timeout must be a finite number > 0, got {t}")
+    parse_fault(cfg.pd_inject_fault)
+
+
+def prefill_main(cfg: ServerConfig, host: str, port: int) -> None:
+    """Run a prefill worker until the decode side says stop or the link closes."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill %(message)s")
+    engine = Engine(cfg)                  # model + cache stack; its scheduler never starts
+    try:
+        link = PDLink(PREFILL, host, port, connect_timeout_s=CONNECT_TIMEOUT_S)
+        log.info("prefill worker linked on %s:%d", host, port)
+        PrefillWorker(engine.model, engine.cache, link, chunk=cfg.chunked_prefill_size,
+                      fault=cfg.pd_inject_fault).serve_forever()
+    finally:
+        engine.stop()
+
+
+class PDEngine(Engine):
+    """The decode worker: an :class:`Engine` whose scheduler fetches missing KV over the link
+    (``scheduler.remote``), and — in ``pd`` mode — the owner of the prefill worker process."""
+
+    def __init__(self, cfg: ServerConfig):
+        if not cfg.pd_decode_reuse:
+            cfg = dataclasses.replace(cfg, disable_radix_cache=True)
+        super().__init__(cfg)
+        host, port = parse_addr(cfg.pd_addr)
+        self.prefill_proc: Any = None
+        if cfg.disaggregation == "pd":
+            if port == 0:
+                from engine.parallel.launch import free_port
+
+                port = free_port()
+            pcfg = dataclasses.replace(cfg, disaggregation="prefill", pd_addr=f"{host}:{port}",
+                                       disable_radix_cache=False, rank_log_dir=None)
+            self.prefill_proc = multiprocessing.get_context("spawn").Process(
+                target=prefill_main, args=(pcfg, host, port), name="hicache-prefill",
+                daemon=True)
+            self.prefill_proc.start()
+        try:
+            link = PDLink(DECODE, host, port, connect_timeout_s=CONNECT_TIMEOUT_S)
+        except BaseException:
+            self._stop_prefill(0)
+            super().stop()
+            raise
+        self.pd_addr = f"{host}:{port}"
+        self.pd = PDClient(link, self.cache.l1, cfg.page_size, cfg.pd_transfer_timeout)
+        self.scheduler.remote = self.pd
+
+    def pd_health(self) -> str | None:
+        """Why the prefill worker is unusable, or None."""
+        p = self.prefill_proc
+        if p is not None and not p.is_alive():
+            return f"prefill worker down (exit code {p.exitcode})"
+        if self.pd.down is not None:
+            return f"prefill worker down: {self.pd.down}"
+        return None
+
+    def pd_stats(self) -> dict[str, Any]:
+        return {"addr": self.pd_addr, "up": self.pd_health() is None,
+                "decode_reuse": self.cfg.pd_decode_reuse, **self.pd.totals}
+
+    def _stop_prefill(self, grace: float) -> None:
+        p = self.prefill_proc
+        if p is None:
+            return
+        p.join(grace)
+        if p.is_alive():
+            p.terminate()
+            p.join(5)
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+        self.pd.close()
+        self._stop_prefill(10)
+        super().stop()
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "disaggregation": self.cfg.disaggregation,
+                "pd_addr": self.pd_addr, "pd_decode_reuse": self.cfg.pd_decode_reuse}
+
+
+def make_engine(cfg: ServerConfig) -> Engine:
+    """The engine ``bench serve`` runs for ``cfg`` (a plain one without disaggregation)."""
+    if cfg.disaggregation in ("pd", "decode"):
+        return PDEngine(cfg)
+    return Engine(cfg)

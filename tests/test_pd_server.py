@@ -1,0 +1,117 @@
+"""``bench serve --disaggregation pd`` over HTTP: meta_info.pd_transfer and /metrics (the
+missing-only audit), and faults — the prefill worker dying mid-transfer, a transfer timing out:
+the request fails cleanly, the decode worker's cache holds no stray lock or page, the front end
+stays up and /health names the prefill worker."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import requests
+
+from checkers.invariants import check_cache
+from engine.runtime.serving import ServerConfig, start_server
+from tests.test_pd import PS, reference, toks
+
+GREEDY = {"max_new_tokens": 8, "ignore_eos": True, "temperature": 0}
+
+
+def start(**kw):
+    base = dict(model="tiny", port=0, page_size=PS, l1_tokens=4096, l2_tokens=8192,
+                chunked_prefill_size=128, disaggregation="pd", pd_transfer_timeout=60.0)
+    base.update(kw)
+    return start_server(ServerConfig(**base))
+
+
+def generate(h, ids):
+    return requests.post(h.url + "/generate", json={"input_ids": ids, "sampling_params": GREEDY},
+                         timeout=120)
+
+
+def metric(text, name, labels=""):
+    for line in text.splitlines():
+        if line.startswith(name + labels + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name}{labels} not in /metrics")
+
+
+def clean(h):
+    """The decode cache once idle: no locks, every page accounted for."""
+    eng = h.engine
+    deadline = time.monotonic() + 20
+    while not eng.scheduler.call(eng.scheduler.idle).result(30):
+        assert time.monotonic() < deadline, "decode worker did not become idle"
+        time.sleep(0.05)
+    return eng.scheduler.call(lambda: check_cache(eng.cache, idle=True)).result(30)
+
+
+def test_pd_transfer_in_meta_info_and_metrics():
+    with start() as h:
+        first = toks(200, 11)
+        r1 = generate(h, first)
+        assert r1.status_code == 200, r1.text
+        t1 = r1.json()["meta_info"]["pd_transfer"]
+        assert t1 == {"decode_device": 0, "decode_host": 0, "decode_storage": 0,
+                      "transferred": 199, "bytes": t1["bytes"], "redundant_bytes": 0,
+                      "prefill_cached": 0}
+        second = first + r1.json()["output_ids"] + toks(60, 12)
+        r2 = generate(h, second)
+        t2 = r2.json()["meta_info"]["pd_transfer"]
+        assert t2["decode_device"] == (len(first) + 7) // PS * PS
+        assert t2["transferred"] == len(second) - 1 - t2["decode_device"]
+        assert r2.json()["output_ids"] == reference(second)
+        text = requests.get(h.url + "/metrics", timeout=30).text
+        assert metric(text, "hicache_pd_redundant_bytes_total") == 0
+        assert metric(text, "hicache_pd_transfer_bytes_total") == t1["bytes"] + t2["bytes"]
+        assert metric(text, "hicache_pd_prompt_tokens_total", '{source="transferred"}') == \
+            t1["transferred"] + t2["transferred"]
+        assert metric(text, "hicache_pd_link_up") == 1
+        assert requests.get(h.url + "/health", timeout=30).status_code == 200
+        assert clean(h) == []
+
+
+def test_prefill_worker_dies_mid_transfer():
+    with start(pd_inject_fault="die-after-layers:1") as h:
+        r = generate(h, toks(300, 21))
+        assert r.status_code == 500
+        assert "prefill worker down" in r.json()["error"]["message"]
+        assert clean(h) == []
+        assert h.engine.cache.stats()["l1_used_tokens"] == 0   # the own pages went back
+        health = requests.get(h.url + "/health", timeout=30)
+        assert health.status_code == 503
+        assert "prefill worker down" in health.json()["error"]["message"]
+        again = generate(h, toks(50, 22))                # fails fast, the front end answers
+        assert again.status_code == 500 and "prefill worker down" in again.text
+        text = requests.get(h.url + "/metrics", timeout=30).text
+        assert metric(text, "hicache_pd_link_up") == 0
+        assert metric(text, "hicache_pd_failed_transfers_total") >= 1
+
+
+def test_transfer_timeout_fails_the_request_and_the_link_recovers():
+    with start(pd_inject_fault="delay:4", pd_transfer_timeout=1.0) as h:
+        prompt = toks(120, 31)
+        r = generate(h, prompt)
+        assert r.status_code == 500 and "timed out" in r.json()["error"]["message"]
+        assert clean(h) == []
+        pd = h.engine.pd
+        deadline = time.monotonic() + 30                  # the late reply is drained, unused
+        while pd._pending:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert requests.get(h.url + "/health", timeout=30).status_code == 200
+        ok = generate(h, prompt)
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["output_ids"] == reference(prompt)
+        assert clean(h) == []
+
+
+@pytest.mark.parametrize("bad,msg", [({"disaggregation": "both"}, "--disaggregation"),
+                                     ({"disaggregation": "decode"}, "--pd-addr"),
+                                     ({"pd_addr": "nohost"}, "--pd-addr"),
+                                     ({"pd_transfer_timeout": 0}, "--pd-transfer-timeout"),
+                                     ({"pd_inject_fault": "boom:1"}, "--pd-inject-fault")])
+def test_bad_options_are_usage_errors(bad, msg):
+    with pytest.raises(ValueError, match=msg):
+        ServerConfig(**{"disaggregation": "pd", **bad})
+
