@@ -115,3 +115,44 @@ def test_bad_options_are_usage_errors(bad, msg):
     with pytest.raises(ValueError, match=msg):
         ServerConfig(**{"disaggregation": "pd", **bad})
 
+
+
+def test_prefill_and_decode_roles_as_separate_commands(tmp_path):
+    """The multi-host shape: ``bench serve --disaggregation prefill`` in its own process, a
+    decode server linking to it by address."""
+    import os
+    import subprocess
+    import sys
+
+    from engine.parallel.launch import free_port
+
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    pre = subprocess.Popen([sys.executable, "-m", "hicache_cli.app", "bench", "serve",
+                            "--disaggregation", "prefill", "--pd-addr", f"127.0.0.1:{port}",
+                            "--l1-tokens", "4096", "--l2-tokens", "8192",
+                            "--chunked-prefill-size", "128"],
+                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with start(disaggregation="decode", pd_addr=f"127.0.0.1:{port}") as h:
+            prompt = toks(90, 41)
+            r = generate(h, prompt)
+            assert r.status_code == 200, r.text
+            assert r.json()["meta_info"]["pd_transfer"]["transferred"] == 89
+            assert r.json()["output_ids"] == reference(prompt)
+        assert pre.wait(30) == 0          # the decode side's stop ends the prefill worker
+    finally:
+        if pre.poll() is None:
+            pre.kill()
+
+
+def test_cli_usage_errors():
+    from typer.testing import CliRunner
+
+    from hicache_cli.app import app
+
+    r = CliRunner().invoke(app, ["bench", "serve", "--disaggregation", "decode"])
+    assert r.exit_code == 2 and "--pd-addr" in r.output
+    r = CliRunner().invoke(app, ["bench", "serve", "--disaggregation", "pd",
+                                 "--pd-decode-reuse", "maybe"])
+    assert r.exit_code == 2 and "--pd-decode-reuse" in r.output

@@ -40,6 +40,12 @@ class LogLevel(str, enum.Enum):
     error = "error"
 
 
+def _on_off(opt: str, value: str) -> bool:
+    if value not in ("on", "off"):
+        fail(f"{opt}: choose on or off, got {value!r}", code=2)
+    return value == "on"
+
+
 def register(bench_app: typer.Typer) -> None:
     @bench_app.command("serve")
     @handle_errors
@@ -134,6 +140,22 @@ def register(bench_app: typer.Typer) -> None:
         skip_draft_restore: bool = typer.Option(
             False, "--debug-skip-draft-restore", help="Debug: prefixes restored from L2/L3 lose "
             "their draft KV (shows the acceptance collapse that restoring it prevents)."),
+        disaggregation: Optional[str] = typer.Option(
+            None, "--disaggregation", help="Prefill-decode disaggregation (docs/pd.md): pd = "
+            "this process serves HTTP and decodes, a prefill worker process computes what the "
+            "decode cache lacks; prefill / decode = one role alone, linked over --pd-addr."),
+        pd_addr: str = typer.Option(
+            "127.0.0.1:0", "--pd-addr", help="HOST:PORT where the prefill worker's link "
+            "listens (prefill: bind there; decode: connect there; pd: 0 = pick a port)."),
+        pd_decode_reuse: str = typer.Option(
+            "on", "--pd-decode-reuse", help="on: the decode worker reuses its own L1/L2/L3 "
+            "and asks only for the missing suffix; off: every prompt's KV crosses the link."),
+        pd_transfer_timeout: float = typer.Option(
+            30.0, "--pd-transfer-timeout", help="Seconds a request waits for its KV on the "
+            "link before it fails."),
+        pd_inject_fault: Optional[str] = typer.Option(
+            None, "--pd-inject-fault", help="Debug (prefill worker): die-after-layers:N or "
+            "delay:SECONDS."),
         log_level: LogLevel = typer.Option(LogLevel.warning, "--log-level",
                                            help="Server log verbosity (stderr)."),
         fmt: OutputFormat = typer.Option(OutputFormat.human, "--format",
@@ -150,6 +172,8 @@ def register(bench_app: typer.Typer) -> None:
         # collapse when another process, e.g. the load generator, shares the cores (measured:
         # 2 instead of 80 decode steps/s on 2 busy cores); passive waiting keeps the speed-up.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        if disaggregation:     # c10d's C++ retry log would bury the one-line link error
+            os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
         from engine.runtime.serving import Engine, ServerConfig, serve
 
         logging.basicConfig(level=log_level.value.upper(),
@@ -173,7 +197,15 @@ def register(bench_app: typer.Typer) -> None:
             tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None,
             served_model_name=served_model_name, speculative_num_draft_tokens=spec_tokens,
             speculative_draft_preset=spec_preset, hicache_draft_layout=draft_layout,
-            debug_skip_draft_restore=skip_draft_restore)
+            debug_skip_draft_restore=skip_draft_restore, disaggregation=disaggregation,
+            pd_addr=pd_addr, pd_decode_reuse=_on_off("--pd-decode-reuse", pd_decode_reuse),
+            pd_transfer_timeout=pd_transfer_timeout, pd_inject_fault=pd_inject_fault)
+        if disaggregation == "prefill":
+            from engine.runtime.pd.serve import run_prefill
+
+            stderr.print(f"hicache bench serve: prefill worker, link on {pd_addr}")
+            run_prefill(cfg)
+            return
 
         def ready(url: str, engine: Engine) -> None:
             d = engine.describe()

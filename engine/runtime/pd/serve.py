@@ -67,6 +67,22 @@ def prefill_main(cfg: ServerConfig, host: str, port: int) -> None:
         engine.stop()
 
 
+def run_prefill(cfg: ServerConfig) -> None:
+    """``--disaggregation prefill`` in the foreground: until the decode worker says stop, the
+    link closes, or SIGINT/SIGTERM."""
+    import signal
+
+    def _exit(*_: Any) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, _exit)
+    host, port = parse_addr(cfg.pd_addr)
+    try:
+        prefill_main(cfg, host, port)
+    except KeyboardInterrupt:
+        pass
+
+
 class PDEngine(Engine):
     """The decode worker: an :class:`Engine` whose scheduler fetches missing KV over the link
     (``scheduler.remote``), and — in ``pd`` mode — the owner of the prefill worker process."""
