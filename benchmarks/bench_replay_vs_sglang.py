@@ -3,7 +3,7 @@
 Usage:
   python benchmarks/bench_replay_vs_sglang.py TRACE \
       [--peer-python /tmp/peer-sglang-venv/bin/python --peer-script sglang_radix_replay.py] \
-      [--page-size 64 --l1-tokens 5120000 --repeat 3]
+      [--page-size 64 --l1-tokens 5120000 --repeat 3 --policy lru]
 
 Runs our replay in this process (best of --repeat, only cache operations timed) with events on
 and off (the rank-log overhead), then — when a peer interpreter and script are given — the SGLang
@@ -29,7 +29,7 @@ def ours(records, args, events: bool) -> dict:
     best = None
     for _ in range(args.repeat):
         res, _ = replay(records, ReplayConfig(page_size=args.page_size, l1_tokens=args.l1_tokens,
-                                              l2_tokens=0, policy="lru", events=events))
+                                              l2_tokens=0, policy=args.policy, events=events))
         d = res.to_dict()
         if best is None or d["cache_seconds"] < best["cache_seconds"]:
             best = d
@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--l1-tokens", type=int, default=5_120_000)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--policy", default="lru", help="our eviction policy (SGLang's is LRU)")
     ap.add_argument("--peer-python", default=None)
     ap.add_argument("--peer-script", default=None)
     args = ap.parse_args()
@@ -51,7 +52,7 @@ def main() -> None:
     off = ours(records, args, events=False)
     out = {
         "trace": args.trace, "requests": on["requests"], "page_size": args.page_size,
-        "l1_tokens": args.l1_tokens,
+        "l1_tokens": args.l1_tokens, "policy": args.policy,
         "hicache": {"token_hit_rate": on["token_hit_rate"], "cache_seconds": on["cache_seconds"],
                     "cache_seconds_events_off": off["cache_seconds"],
                     "events": on["events"],
