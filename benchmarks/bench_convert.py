@@ -1,12 +1,18 @@
 """``convert-layout`` throughput against a plain copy of the same store, same disk, same run.
 
 Builds a legacy TP2 file store of at least ``--gb`` GiB (``KVLayout(8 layers, 8 kv-heads,
-head_dim 128, page 64, float16)``: 2 MiB pages, two 1 MiB objects per page), then times three
+head_dim 128, page 64, float16)``: 2 MiB pages, two 1 MiB objects per page), then times four
 conversions in a chain, each against ``cp -r`` of its own source store:
 
-1. legacy ``tp=2`` → unified, default grid (16 objects of 128 KiB per page: the heaviest cut);
-2. that → ``unified:layers=8,heads=8`` (one 2 MiB object per page, assembled from 16);
-3. that → ``unified:layers=8,heads=8+page_first`` (payload order changed).
+1. legacy ``tp=2`` → ``unified:tp=2,pp=2`` (each legacy object split in two layer chunks);
+2. that → ``unified:tp=2,pp=1`` (the chunks joined again);
+3. that → unified, default grid (16 objects of 128 KiB per page: a cut along the heads);
+4. that → ``unified:layers=8,heads=8+page_first`` (one object per page, assembled from 16 and
+   transposed to token-major order).
+
+In 1 and 2 every target payload is whole runs of source files, copied in the kernel
+(``copy_file_range``, as ``cp`` does); in 3 and 4 payloads are cut or transposed in memory and
+written from user memory (the ``kernel_copied_bytes`` column says which).
 
 A conversion is timed as the command does it (``plan``: list and read every header, check the
 destination; ``run``: read, verify checksums, cut, encode, write with atomic renames), in this
@@ -46,9 +52,10 @@ from engine.storage.placement import Placement  # noqa: E402
 
 MODEL = KVLayout(num_layers=8, kv_heads=8, head_dim=128, page_size=64, dtype="float16")
 CHUNK = 64
-STEPS = [("legacy tp=2 -> unified (default grid)", "unified"),
-         ("unified -> unified:layers=8,heads=8", "unified:layers=8,heads=8"),
-         ("layer_first -> page_first", "unified:layers=8,heads=8+page_first")]
+STEPS = [("legacy tp=2 -> unified:tp=2,pp=2", "unified:tp=2,pp=2"),
+         ("unified:tp=2,pp=2 -> unified:tp=2,pp=1", "unified:tp=2,pp=1"),
+         ("unified:tp=2,pp=1 -> unified (default grid)", "unified"),
+         ("default grid -> layers=8,heads=8+page_first", "unified:layers=8,heads=8+page_first")]
 
 
 def build_source(root: str, gib: float) -> int:
@@ -143,13 +150,15 @@ def main() -> None:
                    "copy_gbps": round(src_bytes / best_copy / 1e9, 3),
                    "convert_gbps": round(src_bytes / best_conv / 1e9, 3),
                    "ratio": round(best_copy / best_conv, 3),
+                   "kernel_copied_bytes": info["kernel_copied_bytes"],
                    "all_copy_s": [round(t, 3) for t in copies],
                    "all_convert_s": [round(t, 3) for t, _ in convs]}
             rows.append(row)
-            print(f"{name:42s} {src_bytes / 1e9:5.2f} GB  {info['objects_in']:6d} -> "
-                  f"{info['objects_out']:6d} objects  copy {row['copy_gbps']:.2f} GB/s  "
-                  f"convert {row['convert_gbps']:.2f} GB/s  ratio {row['ratio']:.2f}",
-                  file=sys.stderr)
+            kernel = info["kernel_copied_bytes"] / max(1, info["bytes_out"])
+            print(f"{name:46s} {src_bytes / 1e9:5.2f} GB  {info['objects_in']:6d} -> "
+                  f"{info['objects_out']:6d} objects  kernel-copied {kernel:4.0%}  copy "
+                  f"{row['copy_gbps']:.2f} GB/s  convert {row['convert_gbps']:.2f} GB/s  "
+                  f"ratio {row['ratio']:.2f}", file=sys.stderr)
             shutil.rmtree(src)
             src = nxt
         if a.json:

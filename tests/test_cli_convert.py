@@ -294,3 +294,22 @@ def test_file_to_mooncake_and_back(tmp_path, master):
     assert read(b, hs, Placement(grid="layers=4,heads=4")) == PAGES
     b.close()
     fleet.close()
+
+
+def test_whole_runs_of_source_files_are_copied_in_the_kernel(tmp_path):
+    src, hs = legacy_source(tmp_path)
+    split = summary(convert(src, tmp_path / "split", "--to", "unified:tp=2,pp=2", "--verify",
+                            "--format", "json"))
+    assert split["objects_out"] == 24 and split["verified"] == 24
+    assert split["kernel_copied_bytes"] == 24 * MODEL.shard(2, 0, 2, 0).page_bytes
+    b = FileBackend(FileStoreConfig(dir=str(tmp_path / "split")))
+    assert read(b, hs, Placement(grid="tp=2,pp=2"), tp=2, rank=1) == PAGES
+    b.close()
+    # Two layer chunks of the same heads join into one legacy object: two ranges each.
+    back = summary(convert(tmp_path / "split", tmp_path / "back", "--to", "legacy:tp=2,pp=1",
+                           "--verify", "--format", "json"))
+    assert back["written"] == 12 and back["kernel_copied_bytes"] == \
+        12 * MODEL.shard(2, 0).page_bytes
+    b = FileBackend(FileStoreConfig(dir=str(tmp_path / "back")))
+    assert read(b, hs, LEGACY2[0], tp=2, rank=0) == PAGES
+    b.close()

@@ -14,6 +14,7 @@ Data-path failures never raise: ``exists`` answers ``False``, ``get`` a negative
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import importlib
 import threading
@@ -73,6 +74,21 @@ class StorageBackend(Protocol):
 
     def close(self) -> None:
         ...
+
+
+@dataclasses.dataclass(frozen=True)
+class FileRange:
+    """A part of an object to ``put`` that lies in an open file: ``length`` bytes of ``fd`` at
+    ``offset``. Only the file backend takes it (it copies the range inside the kernel with
+    ``copy_file_range``: no pass through user memory); ``convert-layout`` uses it between file
+    stores."""
+
+    fd: int
+    offset: int
+    length: int
+
+    def __len__(self) -> int:
+        return self.length
 
 
 def byte_view(buf: Buffer) -> memoryview:

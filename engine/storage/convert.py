@@ -22,7 +22,9 @@ Two steps, both pure with respect to the source (it is only read):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import os
 import time
 from typing import Callable
 
@@ -30,7 +32,8 @@ import numpy as np
 
 from engine.core.errors import InputError, StorageError
 from engine.core.layout import KVLayout
-from engine.storage.endpoints import Endpoint
+from engine.storage.backend import FileRange
+from engine.storage.endpoints import Endpoint, FileEndpoint
 from engine.storage.keys import object_key
 from engine.storage.placement import KVOrder, Placement, Tile, describe_object, span
 from formats.kvobject import (
@@ -216,10 +219,15 @@ def _check_destination(p: Plan, dst: Endpoint, max_bytes: int | None) -> None:
 
 
 # -- running -----------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _itemsize(dtype: str) -> int:
+    return KVLayout(1, 1, 1, 1, dtype=dtype).itemsize
+
+
 def _tensor(payload: memoryview, region: KVLayout, order: KVOrder) -> np.ndarray:
     """``[layers, kv_kinds, page_size, heads, head_dim bytes]`` uint8 view of a payload."""
     L, K, P, H = region.num_layers, region.kv_kinds, region.page_size, region.kv_heads
-    row = region.head_dim * region.itemsize
+    row = region.head_dim * _itemsize(region.dtype)
     a = np.frombuffer(payload, dtype=np.uint8)
     if order is KVOrder.LAYER_FIRST:
         return a.reshape(L, K, P, H, row)
@@ -262,62 +270,143 @@ def run(p: Plan, src: Endpoint, dst: Endpoint, *, verify: bool = False,
     """Convert; the counters say what happened (``written``, ``skipped_present``, ``corrupt``,
     ``verified``, ``bytes_written``). Raises StorageError when the destination refuses a write
     (disk full, I/O error) — every object written before that is whole."""
-    c = dict.fromkeys(("written", "bytes_written", "skipped_present", "verified",
-                       "read_corrupt", "not_produced"), 0)
-    res = Result({**p.counts, **c})
+    conv = _Converter(p, src, dst, verify)
     t0 = time.perf_counter()
-    batch: list[tuple[str, bytes, np.ndarray]] = []
-    size = 0
     try:
         for ph, objs in p.pages.items():
-            srcs, nbytes = [], 0
-            for o in objs:
-                arr, n = _read_source(src, o)
-                nbytes += n
-                if arr is None:
-                    res.counts["read_corrupt"] += 1
-                else:
-                    srcs.append((o, arr))
-            mask = _covered([o for o, _ in srcs], p.model)
-            for i in p.out[ph]:
-                t = p.tiles[i]
-                if not mask[t.layers[0]:t.layers[1], t.heads[0]:t.heads[1]].all():
-                    res.counts["not_produced"] += 1
-                    continue
-                payload = _cut(t, srcs, p.model, p.target_order)
-                header = p.codecs[i].encode_header(ph, payload)
-                key = object_key(ph, t.suffix)
-                if key in p.present:
-                    _same(dst, key, header, payload)
-                    res.counts["skipped_present"] += 1
-                    continue
-                batch.append((key, header, payload))
-                size += len(header) + payload.nbytes
-            if size >= BATCH_BYTES:
-                _flush(dst, batch, res, verify)
-                batch, size = [], 0
+            nbytes = conv.page(ph, objs)
+            if conv.size >= BATCH_BYTES:
+                conv.flush()
             if progress is not None:
                 progress(nbytes)
-        _flush(dst, batch, res, verify)
+        conv.flush()
     except KeyboardInterrupt:
-        res.interrupted = True
-    res.seconds = time.perf_counter() - t0
-    return res
+        conv.res.interrupted = True
+    finally:
+        conv.release()
+    conv.res.seconds = time.perf_counter() - t0
+    return conv.res
 
 
-def _read_source(src: Endpoint, o: SourceObject) -> tuple[np.ndarray | None, int]:
-    raw = src.read(o.key)
+class _Converter:
+    """One run's state: the batch being gathered and the source files it still copies from."""
+
+    def __init__(self, p: Plan, src: Endpoint, dst: Endpoint, verify: bool):
+        self.p, self.src, self.dst, self.verify = p, src, dst, verify
+        c = dict.fromkeys(("written", "bytes_written", "skipped_present", "verified",
+                           "read_corrupt", "not_produced", "kernel_copied_bytes"), 0)
+        self.res = Result({**p.counts, **c})
+        # Between file stores, payload bytes that are whole runs of a source file are copied in
+        # the kernel (copy_file_range) instead of written from user memory.
+        self.ranges = isinstance(src, FileEndpoint) and isinstance(dst, FileEndpoint)
+        self.batch: list[tuple[str, list, bytes, np.ndarray]] = []
+        self.fds: list[int] = []
+        self.size = 0
+
+    def page(self, ph: bytes, objs: list[SourceObject]) -> int:
+        """Cut one page's target objects into the batch; returns the source bytes read."""
+        p, counts = self.p, self.res.counts
+        srcs, nbytes = [], 0
+        for o in objs:
+            arr, n, fd = _read_source(self.src, o, self.ranges)
+            nbytes += n
+            if fd is not None:
+                self.fds.append(fd)
+            if arr is None:
+                counts["read_corrupt"] += 1
+            else:
+                srcs.append((o, arr, fd, n - o.region.page_bytes))
+        mask = _covered([s[0] for s in srcs], p.model)
+        for i in p.out[ph]:
+            t = p.tiles[i]
+            if not mask[t.layers[0]:t.layers[1], t.heads[0]:t.heads[1]].all():
+                counts["not_produced"] += 1
+                continue
+            payload = _cut(t, [(o, a) for o, a, _, _ in srcs], p.model, p.target_order)
+            header = p.codecs[i].encode_header(ph, payload)
+            key = object_key(ph, t.suffix)
+            if key in p.present:
+                _same(self.dst, key, header, payload)
+                counts["skipped_present"] += 1
+                continue
+            runs = _runs(t, srcs, p.target_order) if self.ranges else None
+            if runs:
+                counts["kernel_copied_bytes"] += payload.nbytes
+            self.batch.append((key, [header, *(runs or [payload])], header, payload))
+            self.size += len(header) + payload.nbytes
+        return nbytes
+
+    def flush(self) -> None:
+        batch, counts = self.batch, self.res.counts
+        self.batch, self.size = [], 0
+        if batch:
+            oks = self.dst.put([b[0] for b in batch], [b[1] for b in batch])
+            for (_, _, h, pl), ok in zip(batch, oks):
+                if ok:
+                    counts["written"] += 1
+                    counts["bytes_written"] += len(h) + pl.nbytes
+            if not all(oks):
+                failed = next(b[0] for b, ok in zip(batch, oks) if not ok)
+                raise StorageError(
+                    f"the destination refused {oks.count(False)} object(s) (e.g. {failed}): "
+                    "disk full or an I/O error; every object written so far is whole: free "
+                    "space and run again to resume")
+            if self.verify:
+                for k, _, h, pl in batch:
+                    _same(self.dst, k, h, pl)
+                    counts["verified"] += 1
+        self.release()
+
+    def release(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
+def _runs(tile: Tile, srcs: list, order: KVOrder) -> list[FileRange] | None:
+    """The tile's payload as byte ranges of source files, when it is one: every source piece
+    holds exactly the tile's kv-heads, both payloads are layer_first, the sources are files."""
+    if order is not KVOrder.LAYER_FIRST:
+        return None
+    (tl0, tl1), heads = tile.layers, tile.heads
+    out, at = [], tl0
+    while at < tl1:
+        for o, _, fd, hlen in srcs:
+            (l0, l1), hs = span(o.region)
+            if fd is not None and o.order is KVOrder.LAYER_FIRST and hs == heads and \
+                    l0 <= at < l1:
+                end = min(l1, tl1)
+                per_layer = o.region.page_bytes // o.region.num_layers
+                out.append(FileRange(fd, hlen + (at - l0) * per_layer, (end - at) * per_layer))
+                at = end
+                break
+        else:
+            return None
+    return out
+
+
+def _read_source(src: Endpoint, o: SourceObject,
+                 keep_fd: bool) -> tuple[np.ndarray | None, int, int | None]:
+    """(the verified payload as a tensor or None, bytes read, the open file when kept)."""
+    fd = None
+    if keep_fd and isinstance(src, FileEndpoint):
+        # Mapped, not read: the checksum and the cuts read the page cache directly, and the
+        # bytes copied in the kernel never pass through user memory.
+        fd = src.open_fd(o.key)
+        raw = src.map_fd(fd) if fd is not None else None
+    else:
+        raw = src.read(o.key)
     if raw is None:
-        return None, 0
+        return None, 0, fd
     try:
         h = parse_header(raw)
         payload = memoryview(raw)[h.header_len:]
         verify_payload(h, payload)
         if h.payload_len != o.region.page_bytes or h.page_hash != o.page_hash:
-            return None, len(raw)
+            return None, len(raw), fd
     except KVObjectError:
-        return None, len(raw)
-    return _tensor(payload, o.region, o.order), len(raw)
+        return None, len(raw), fd
+    return _tensor(payload, o.region, o.order), len(raw), fd
 
 
 def _same(dst: Endpoint, key: str, header: bytes, payload: np.ndarray) -> None:
@@ -326,23 +415,3 @@ def _same(dst: Endpoint, key: str, header: bytes, payload: np.ndarray) -> None:
             memoryview(got)[len(header):] != memoryview(payload).cast("B"):
         raise InputError(f"the destination's object {key} differs from what this conversion "
                          "produces (a conflicting or damaged object); remove it and run again")
-
-
-def _flush(dst: Endpoint, batch: list[tuple[str, bytes, np.ndarray]], res: Result,
-           verify: bool) -> None:
-    if not batch:
-        return
-    oks = dst.put([k for k, _, _ in batch], [[h, pl] for _, h, pl in batch])
-    for (_, h, pl), ok in zip(batch, oks):
-        if ok:
-            res.counts["written"] += 1
-            res.counts["bytes_written"] += len(h) + pl.nbytes
-    if not all(oks):
-        failed = next(k for (k, _, _), ok in zip(batch, oks) if not ok)
-        raise StorageError(f"the destination refused {oks.count(False)} object(s) (e.g. "
-                           f"{failed}): disk full or an I/O error; every object written so far "
-                           "is whole: free space and run again to resume")
-    if verify:
-        for k, h, pl in batch:
-            _same(dst, k, h, pl)
-            res.counts["verified"] += 1

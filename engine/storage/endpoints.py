@@ -15,8 +15,10 @@ a source is read here with plain ``open``/``read`` instead).
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
+import stat
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -66,16 +68,52 @@ class FileEndpoint:
         check_key(key)
         return os.path.join(self._objdir, key[:2], key)
 
-    def read(self, key: str, limit: int | None = None) -> bytes | None:
-        """The object (its first ``limit`` bytes), or None when missing / too large."""
+    def open_fd(self, key: str) -> int | None:
+        """A read-only descriptor of the object's file; None when missing or not a regular
+        file (a FIFO or device planted in the store is never opened for reading)."""
         try:
-            with open(self._path(key), "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size > MAX_OBJECT_BYTES:
-                    return None
-                return f.read(size if limit is None else min(size, limit))
-        except FileNotFoundError:
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+                         | os.O_CLOEXEC)
+        except OSError:
             return None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return None
+        return fd
+
+    @staticmethod
+    def read_fd(fd: int, limit: int | None = None) -> bytes | None:
+        size = os.fstat(fd).st_size
+        if size > MAX_OBJECT_BYTES:
+            return None
+        n = size if limit is None else min(size, limit)
+        parts, at = [], 0
+        while at < n:
+            chunk = os.pread(fd, n - at, at)
+            if not chunk:
+                break
+            parts.append(chunk)
+            at += len(chunk)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    @staticmethod
+    def map_fd(fd: int) -> "mmap.mmap | bytes | None":
+        """The whole file, mapped read-only (``b""`` when empty, None when too large)."""
+        size = os.fstat(fd).st_size
+        if size > MAX_OBJECT_BYTES:
+            return None
+        return mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else b""
+
+    def read(self, key: str, limit: int | None = None) -> bytes | None:
+        """The object (its first ``limit`` bytes), or None when missing / too large / not a
+        regular file."""
+        fd = self.open_fd(key)
+        if fd is None:
+            return None
+        try:
+            return self.read_fd(fd, limit)
+        finally:
+            os.close(fd)
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         return [os.path.exists(self._path(k)) for k in keys]

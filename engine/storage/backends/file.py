@@ -45,7 +45,14 @@ import time
 from typing import Any, Iterator, Sequence
 
 from engine.core.errors import StorageError
-from engine.storage.backend import Buffer, Counters, GetStatus, byte_view, check_batch
+from engine.storage.backend import (
+    Buffer,
+    Counters,
+    FileRange,
+    GetStatus,
+    byte_view,
+    check_batch,
+)
 from engine.storage.config import BackendKind, FileStoreConfig, StorageConfig
 from engine.storage.keys import check_key
 
@@ -92,6 +99,16 @@ def _writev_all(fd: int, views: list[memoryview]) -> None:
             views.pop(0)
         if n:
             views[0] = views[0][n:]
+
+
+def _copy_range(r: FileRange, fd: int) -> None:
+    """Append ``r`` to ``fd`` inside the kernel; OSError when the source is shorter."""
+    off, left = r.offset, r.length
+    while left:
+        n = os.copy_file_range(r.fd, fd, left, off)
+        if n <= 0:
+            raise OSError(errno.EIO, f"source file ended {left} bytes early")
+        off, left = off + n, left - n
 
 
 def _preadv_all(fd: int, views: list[memoryview]) -> int:
@@ -293,7 +310,7 @@ class FileBackend:
         staged: list[tuple[int, str, str, int]] = []
         for i, (key, ps) in enumerate(zip(keys, parts)):
             path = self.object_path(key)
-            views = [byte_view(p) for p in ps]
+            views = [p if isinstance(p, FileRange) else byte_view(p) for p in ps]
             size = sum(len(v) for v in views)
             if limit and size > limit:
                 continue
@@ -314,10 +331,18 @@ class FileBackend:
             self._publish(staged, out)
         return out
 
-    def _write_tmp(self, tmp: str, views: list[memoryview]) -> None:
+    def _write_tmp(self, tmp: str, views: list) -> None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
-            _writev_all(fd, views)
+            run: list[memoryview] = []
+            for v in views:
+                if isinstance(v, FileRange):     # memory parts before it first, in order
+                    _writev_all(fd, run)
+                    run = []
+                    _copy_range(v, fd)
+                else:
+                    run.append(v)
+            _writev_all(fd, run)
             if self.config.fsync:
                 os.fsync(fd)
         finally:
