@@ -189,9 +189,12 @@ def _check_destination(p: Plan, dst: Endpoint, max_bytes: int | None) -> None:
             for i in idx]
     conflicts: list[str] = []
     need = 0
+    listed = set(dst.list_keys()) if isinstance(dst, FileEndpoint) else None  # one scan
     for s in range(0, len(keys), 512):
         chunk = keys[s:s + 512]
-        for (k, ph, i), there in zip(chunk, dst.exists([c[0] for c in chunk])):
+        found = [c[0] in listed for c in chunk] if listed is not None else \
+            dst.exists([c[0] for c in chunk])
+        for (k, ph, i), there in zip(chunk, found):
             if not there:
                 need += p.codecs[i].object_size(p.tiles[i].payload_len)
                 continue
