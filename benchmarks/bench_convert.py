@@ -18,7 +18,9 @@ A conversion is timed as the command does it (``plan``: list and read every head
 destination; ``run``: read, verify checksums, cut, encode, write with atomic renames), in this
 process (no interpreter start-up). Every timed operation starts after an untimed ``sync`` so that
 neither side pays for the other's writeback; each pair alternates which goes first; the best of
-``--repeat`` is reported. Speed is source bytes per second; the ratio is convert / copy.
+``--repeat`` is reported, with the median of the per-pair ratios (a copy and a conversion run
+back to back) as the noise indicator. Speed is source bytes per second; the ratio is convert /
+copy speed.
 
     .venv/bin/python benchmarks/bench_convert.py [--gb 2] [--dir DIR] [--repeat 2] [--json]
 """
@@ -29,6 +31,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -144,12 +147,15 @@ def main() -> None:
             info = convs[-1][1]
             best_copy, best_conv = min(copies), min(t for t, _ in convs)
             src_bytes = info["bytes_in"]
+            pairs = [round(c / t, 3) for c, (t, _) in zip(copies, convs)]
             row = {"conversion": name, "bytes_in": src_bytes, "objects_in": info["objects_in"],
                    "objects_out": info["objects_out"], "copy_s": round(best_copy, 3),
                    "convert_s": round(best_conv, 3),
                    "copy_gbps": round(src_bytes / best_copy / 1e9, 3),
                    "convert_gbps": round(src_bytes / best_conv / 1e9, 3),
                    "ratio": round(best_copy / best_conv, 3),
+                   "pair_ratios": pairs,
+                   "median_pair_ratio": round(statistics.median(pairs), 3),
                    "kernel_copied_bytes": info["kernel_copied_bytes"],
                    "all_copy_s": [round(t, 3) for t in copies],
                    "all_convert_s": [round(t, 3) for t, _ in convs]}
@@ -158,7 +164,8 @@ def main() -> None:
             print(f"{name:46s} {src_bytes / 1e9:5.2f} GB  {info['objects_in']:6d} -> "
                   f"{info['objects_out']:6d} objects  kernel-copied {kernel:4.0%}  copy "
                   f"{row['copy_gbps']:.2f} GB/s  convert {row['convert_gbps']:.2f} GB/s  "
-                  f"ratio {row['ratio']:.2f}", file=sys.stderr)
+                  f"ratio {row['ratio']:.2f}  median pair {row['median_pair_ratio']:.2f}",
+                  file=sys.stderr)
             shutil.rmtree(src)
             src = nxt
         if a.json:

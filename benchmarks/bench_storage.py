@@ -26,7 +26,7 @@ closest to the hardware; the verdict needs both. A
 at a running cluster.
 
     .venv/bin/python benchmarks/bench_storage.py [--backends memory,file,mooncake]
-        [--mib 64] [--repeat 9] [--dir DIR] [--json]
+        [--mib 64] [--repeat 9] [--dir DIR] [--grid default] [--json]
 """
 
 from __future__ import annotations
@@ -132,11 +132,14 @@ class Raw:
 
 
 class Ours:
-    def __init__(self, backend, layout: KVLayout, n: int, deadline_s: float = 0.0):
-        # A one-cell grid: each page is one object, like the raw side (the default grid cuts a
-        # page into several objects; docs/storage.md, "Unified layout").
+    def __init__(self, backend, layout: KVLayout, n: int, deadline_s: float = 0.0,
+                 grid: str | None = None):
+        # Default: a one-cell grid, each page one object like the raw side. --grid default
+        # (or any grid) measures the unified layout's cut of a page into several objects
+        # against raw whole-page objects (docs/storage.md, "Unified layout").
         self.store = L3Store(backend, layout, placement=Placement(
-            grid=f"layers={layout.num_layers},heads={layout.kv_heads}"), deadline_s=deadline_s)
+            grid=grid or f"layers={layout.num_layers},heads={layout.kv_heads}"),
+            deadline_s=deadline_s)
         self.n = n
         self.src = HostPool(layout, n, host_layout="page_first")
         # Pages reach L2 the way the cache writes them: a backup from L1 into a pool the
@@ -178,13 +181,13 @@ class Ours:
 
 
 def run_backend(kind: str, cfg: StorageConfig, mib: int, repeat: int, workdir: str,
-                deadline_s: float = 0.0) -> list:
+                deadline_s: float = 0.0, grid: str | None = None) -> list:
     backend = make_backend(cfg)
     rows = []
     try:
         for label, layout in SIZES.items():
             ours = Ours(backend, layout, max(1, (mib << 20) // layout.page_bytes),
-                        deadline_s)
+                        deadline_s, grid)
             # raw batches: the store's default batch size, fixed whatever ours is tuned to
             raw_batch = max(1, min(32, (8 << 20) // layout.page_bytes))
             raw = Raw(kind, backend, ours.store.object_size, ours.n, raw_batch, workdir)
@@ -224,6 +227,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=9)
     ap.add_argument("--dir", help="directory for the file store (default: a temp dir)")
     ap.add_argument("--mooncake-config", help="JSON config of a running Mooncake cluster")
+    ap.add_argument("--grid", default=None, help="unified-layout grid of ours, e.g. default "
+                    "or layers=2,heads=1 (default: one object per page)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--deadline-s", type=float, default=0.0,
                     help="L3Store call deadline (the server's default is 5; 0 = unguarded "
@@ -251,7 +256,8 @@ def main() -> int:
                         local_buffer_size=256 << 20, staging_bytes=64 << 20))
             else:
                 raise SystemExit(f"unknown backend {kind!r}")
-            rows += run_backend(kind, cfg, args.mib, args.repeat, workdir, args.deadline_s)
+            rows += run_backend(kind, cfg, args.mib, args.repeat, workdir, args.deadline_s,
+                                args.grid)
     finally:
         if master is not None:
             master.stop()

@@ -95,7 +95,10 @@ class _Part:
         (tl0, tl1), (th0, th1) = tile.layers, tile.heads
         il0, il1, ih0, ih1 = max(tl0, sl0), min(tl1, sl1), max(th0, sh0), min(th1, sh1)
         lay = tile.layout
-        self.shape = (lay.num_layers, lay.kv_kinds, lay.page_size, lay.kv_heads, lay.head_dim)
+        # Bytes shape (the last axis is head_dim × itemsize): cuts are done with numpy on uint8
+        # views, one thread, whatever the dtype.
+        self.shape = (lay.num_layers, lay.kv_kinds, lay.page_size, lay.kv_heads,
+                      lay.head_dim * lay.itemsize)
         # The overlap, in the tile's coordinates and in the shard page's.
         self.in_tile = (slice(il0 - tl0, il1 - tl0), slice(None), slice(None),
                         slice(ih0 - th0, ih1 - th0))
@@ -151,6 +154,7 @@ class L3Store:
         self._staging: np.ndarray | None = None
         self._pool: HostPool | None = None
         self._pool_u8: np.ndarray | None = None
+        self._pool_bytes: np.ndarray | None = None
         self._lock = threading.Lock()
         self._warned: set[str] = set()
         # host pool -> {page: (pool write generation, {part index: payload checksum})}
@@ -203,6 +207,8 @@ class L3Store:
             self.backend.unregister_memory(self._pool_u8)
             self._pool_u8 = None
         self._pool = pool
+        # uint8 view of the whole pool, head_dim × itemsize bytes on the last axis
+        self._pool_bytes = pool.buf.view(torch.uint8).numpy()
         if (self.zero_copy and pool.host_layout is HostLayout.PAGE_FIRST
                 and pool.buf.is_contiguous() and any(p.contiguous for p in self.parts)):
             self._pool_u8 = _u8(pool.buf)
@@ -263,15 +269,16 @@ class L3Store:
         at = int(page) * self.layout.page_bytes + part.offset
         return self._pool_u8[at:at + part.payload_len]
 
-    def _page_tensor(self, pool: HostPool, page: int) -> torch.Tensor:
-        """``[layers, kv_kinds, page_size, kv_heads, head_dim]`` view of one pool page."""
+    def _page_tensor(self, pool: HostPool, page: int) -> np.ndarray:
+        """``[layers, kv_kinds, page_size, kv_heads, head_dim bytes]`` uint8 view of one pool
+        page (numpy: a strided copy in torch spins up its thread pool for every object)."""
         if pool.host_layout is HostLayout.PAGE_FIRST:
-            return pool.buf[int(page)]
+            return self._pool_bytes[int(page)]
         s = int(page) * self.layout.page_size
-        return pool.buf[:, :, s:s + self.layout.page_size]
+        return self._pool_bytes[:, :, s:s + self.layout.page_size]
 
-    def _as_tile(self, row: np.ndarray, part: _Part) -> torch.Tensor:
-        return torch.from_numpy(row).view(self.layout.torch_dtype).view(part.shape)
+    def _as_tile(self, row: np.ndarray, part: _Part) -> np.ndarray:
+        return row.reshape(part.shape)
 
     # -- guarded entry points ----------------------------------------------------------------
     def _deadline(self, n_pages: int) -> float:
@@ -383,7 +390,7 @@ class L3Store:
                 known = self._known_checksum(p, t)
             else:
                 payload = self._staging_row(slot, part)
-                self._as_tile(payload, part).copy_(self._page_tensor(pool, p)[part.in_page])
+                self._as_tile(payload, part)[...] = self._page_tensor(pool, p)[part.in_page]
             row = self._headers[slot, :part.codec.header_len]
             part.codec.encode_header_into(row, h, payload, payload_checksum=known)
             out.append([row, payload])
@@ -437,8 +444,8 @@ class L3Store:
                                     continue
                                 if page is None:
                                     page = self._page_tensor(host_pool, ps[j])
-                                page[part.in_page].copy_(
-                                    self._as_tile(payloads[j * T + t], part)[part.in_tile])
+                                page[part.in_page] = \
+                                    self._as_tile(payloads[j * T + t], part)[part.in_tile]
                         n_ok += 1
             finally:
                 if nxt is not None:     # a fetch still writing into the arena: let it finish
@@ -530,7 +537,7 @@ class L3Store:
             for buf in (self._pool_u8, self._staging, self._headers):
                 if buf is not None:
                     self.backend.unregister_memory(buf)
-            self._pool_u8 = self._staging = None
+            self._pool_u8 = self._staging = self._pool_bytes = None
             self._pool = None
             self._sums.clear()         # listeners left on pools find nothing and return
             if self._encoder is not None:
