@@ -293,6 +293,11 @@ def test_file_to_mooncake_and_back(tmp_path, master):
     b = FileBackend(FileStoreConfig(dir=str(tmp_path / "back")))
     assert read(b, hs, Placement(grid="layers=4,heads=4")) == PAGES
     b.close()
+    bad_admin = url.replace(f"admin={master.metrics_port}", f"admin={master.rpc_port + 7}")
+    res = convert(bad_admin, tmp_path / "never")
+    assert res.exit_code == 1 and "cannot list keys" in res.output
+    res = convert(f"mooncake://127.0.0.1:{master.rpc_port}?color=red", tmp_path / "never")
+    assert res.exit_code == 2 and "unknown parameters" in res.output
     fleet.close()
 
 
