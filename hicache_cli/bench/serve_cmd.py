@@ -156,6 +156,18 @@ def register(bench_app: typer.Typer) -> None:
         pd_inject_fault: Optional[str] = typer.Option(
             None, "--pd-inject-fault", help="Debug (prefill worker): die-after-layers:N or "
             "delay:SECONDS."),
+        pp: int = typer.Option(
+            1, "--pp", min=1, max=8, help="Pipeline parallelism: split the layers over this "
+            "many stage processes (KV stays on its stage; pp_sync keeps cache decisions equal)."),
+        pp_sync: bool = typer.Option(
+            True, "--pp-sync/--no-pp-sync", help="Debug: --no-pp-sync lets each stage consume "
+            "the transfers it has finished (shows the divergence pp_sync prevents)."),
+        transfer_delay: Optional[str] = typer.Option(
+            None, "--debug-transfer-delay", help="Debug: slow one stage's copies, STAGE:MS "
+            "(e.g. 1:20), so completions arrive at different times on different stages."),
+        collective_timeout: float = typer.Option(
+            60.0, "--collective-timeout", help="Seconds a pipeline stage may stay silent before "
+            "the server stops and names it."),
         log_level: LogLevel = typer.Option(LogLevel.warning, "--log-level",
                                            help="Server log verbosity (stderr)."),
         fmt: OutputFormat = typer.Option(OutputFormat.human, "--format",
@@ -199,7 +211,9 @@ def register(bench_app: typer.Typer) -> None:
             speculative_draft_preset=spec_preset, hicache_draft_layout=draft_layout,
             debug_skip_draft_restore=skip_draft_restore, disaggregation=disaggregation,
             pd_addr=pd_addr, pd_decode_reuse=_on_off("--pd-decode-reuse", pd_decode_reuse),
-            pd_transfer_timeout=pd_transfer_timeout, pd_inject_fault=pd_inject_fault)
+            pd_transfer_timeout=pd_transfer_timeout, pd_inject_fault=pd_inject_fault,
+            pp=pp, pp_sync=pp_sync, debug_transfer_delay=transfer_delay,
+            collective_timeout_s=collective_timeout)
         if disaggregation == "prefill":
             from engine.runtime.pd.serve import run_prefill
 

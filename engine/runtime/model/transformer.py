@@ -81,6 +81,7 @@ class Model:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, device: str = "cpu",
                  exact: bool | None = None):
         self.cfg = cfg
+        self.stage: tuple[int, int] | None = None   # pipeline stage: (first layer, all layers)
         self.device = torch.device(device)
         self.dtype = torch_dtype(cfg.dtype)
         self.w = weights.to(self.device, self.dtype)
@@ -99,12 +100,19 @@ class Model:
         return self.cfg.name
 
     def kv_layout(self, page_size: int) -> KVLayout:
-        return self.cfg.kv_layout(page_size)
+        """What one page of this model's KV holds; a pipeline stage's layers sit at their place
+        in the whole model (``layer_start``/``total_layers``), so their L3 keys are its own."""
+        layout = self.cfg.kv_layout(page_size)
+        if self.stage is None:
+            return layout
+        lo, total = self.stage
+        return dataclasses.replace(layout, layer_start=lo, total_layers=total)
 
     # -- forward ---------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, chunks: Sequence[Chunk], kv: "torch.Tensor | PoolKV", page_size: int,
-                layer_hooks: Iterable[LayerHook] = ()) -> torch.Tensor:
+                layer_hooks: Iterable[LayerHook] = (), *, hidden_in: torch.Tensor | None = None,
+                hidden_out: bool = False) -> torch.Tensor:
         """Run ``chunks``; returns float32 logits ``[n, vocab]``: one row per chunk with
         ``logits``, ``len(chunk)`` rows per chunk with ``all_logits``, in chunk order.
 
@@ -149,7 +157,9 @@ class Model:
         io = PoolKV(kv, torch.cat(new_slots), key_slots) if isinstance(kv, torch.Tensor) else kv
         cos, sin = self.cos[pos], self.sin[pos]
 
-        x = self.w.embed[ids]
+        # A pipeline stage after the first continues from the previous stage's hidden states;
+        # one before the last hands its hidden states on instead of computing logits.
+        x = self.w.embed[ids] if hidden_in is None else hidden_in.to(dev, self.dtype)
         for li, lw in enumerate(self.w.layers):
             h = ops.rms_norm(x, lw.attn_norm, cfg.rms_eps)
             if cfg.is_mla:
@@ -162,6 +172,8 @@ class Model:
             g, u = gu.split(cfg.intermediate, dim=-1)
             x = x + ops.linear(torch.nn.functional.silu(g) * u, lw.w_down, self.exact)
 
+        if hidden_out:
+            return x
         want = [i for c, b in zip(chunks, bounds)
                 for i in (range(b[0], b[1]) if c.all_logits else [b[1] - 1] if c.logits else [])]
         if not want:

@@ -127,6 +127,8 @@ class Scheduler:
         """Queue a request; returns its id. Raises :class:`InputError` for bad requests."""
         ids = np.asarray(input_ids, dtype=np.int64).reshape(-1)
         self.validate(ids, sampling)
+        if self._thread is not None and not self._thread.is_alive():
+            raise OutOfCapacity(f"the scheduler has stopped: {self.last_error or 'shut down'}")
         rid = rid or f"req-{next(self._rid_counter)}"
         req = _Req(rid, ids, sampling, namespace, priority, callback)
         with self._lock:
@@ -256,7 +258,7 @@ class Scheduler:
         self._drain_inbox(block=block and not self._running and not self._waiting)
         self.step_no += 1
         self.cache.events.set_step(self.step_no)
-        self.cache.poll()
+        self._consume_completions()
         ran_spec = self._spec_round()
         chunks, reqs = self._build_batch()
         if not chunks:
@@ -294,45 +296,53 @@ class Scheduler:
                     self._finish(r, FinishReason.ERROR, error=f"internal error: {exc}")
         return True
 
+    def _consume_completions(self) -> None:
+        """Commit finished transfers (a pipeline stage consumes the agreed count instead)."""
+        self.cache.poll()
+
     def _drain_inbox(self, block: bool = False) -> None:
+        for kind, item in self._pull_inbox(block):
+            self._handle(kind, item)
+
+    def _pull_inbox(self, block: bool = False) -> list[tuple[str, Any]]:
         # Wake up now and then even when idle, so poll() commits finished backups.
-        timeout = 0.02
-        first = True
+        out: list[tuple[str, Any]] = []
         while True:
             try:
-                if first and block:
-                    kind, item = self._inbox.get(timeout=timeout)
+                if not out and block:
+                    out.append(self._inbox.get(timeout=0.02))
                 else:
-                    kind, item = self._inbox.get_nowait()
+                    out.append(self._inbox.get_nowait())
             except queue.Empty:
-                return
-            first = False
-            if kind == "req":
-                if item.aborted:
-                    self._finish(item, FinishReason.ABORT)
-                else:
-                    self._waiting.append(item)
-            elif kind == "abort":
-                with self._lock:
-                    r = self._by_rid.get(item)
-                if r is not None:
-                    r.aborted = True
-                    if r in self._waiting or r in self._running:
-                        self._finish(r, FinishReason.ABORT)
-            elif kind == "stop":
-                with self._lock:
-                    r = self._by_rid.get(item)
-                if r is not None and r in self._running:
-                    self._finish(r, FinishReason.STOP)
-                elif r is not None and r in self._waiting:
+                return out
+
+    def _handle(self, kind: str, item: Any) -> None:
+        if kind == "req":
+            if item.aborted:
+                self._finish(item, FinishReason.ABORT)
+            else:
+                self._waiting.append(item)
+        elif kind == "abort":
+            with self._lock:
+                r = self._by_rid.get(item)
+            if r is not None:
+                r.aborted = True
+                if r in self._waiting or r in self._running:
                     self._finish(r, FinishReason.ABORT)
-            elif kind == "call":
-                fn, fut = item
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(fn())
-                    except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                        fut.set_exception(exc)
+        elif kind == "stop":
+            with self._lock:
+                r = self._by_rid.get(item)
+            if r is not None and r in self._running:
+                self._finish(r, FinishReason.STOP)
+            elif r is not None and r in self._waiting:
+                self._finish(r, FinishReason.ABORT)
+        elif kind == "call":
+            fn, fut = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(exc)
 
     def _build_batch(self) -> tuple[list[Chunk], list[_Req]]:
         chunks: list[Chunk] = []

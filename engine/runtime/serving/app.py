@@ -276,7 +276,7 @@ async def flush_cache(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
 
     def flush() -> dict:
-        engine.cache.flush()
+        engine.flush()
         return engine.cache.stats()
 
     stats = await _on_scheduler(engine, flush)

@@ -75,6 +75,9 @@ async def model_by_id(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
+    gone = engine.stage_health()
+    if gone is not None:       # a pipeline stage died: say which
+        return error_response(503, gone, "server_error")
     if not engine.scheduler.alive:
         return error_response(503, engine.scheduler.last_error or "scheduler not running",
                               "server_error")

@@ -10,7 +10,7 @@ import shutil
 import tempfile
 from typing import Any
 
-from engine.cache.events import EventLog
+from engine.cache.events import EventLog, RankInfo
 from engine.cache.facade import CacheConfig, HiCache, WritePolicy
 from engine.cache.policy import policy_names
 from engine.cache.pool import HostLayout
@@ -76,6 +76,11 @@ class ServerConfig:
     pd_decode_reuse: bool = True       # decode matches its own cache before asking prefill
     pd_transfer_timeout: float = 30.0  # seconds a request waits for its KV on the link
     pd_inject_fault: str | None = None  # debug: die-after-layers:N | delay:S (prefill worker)
+    # pipeline parallelism (docs/parallelism.md §2): stage processes, pp_sync, debug delays
+    pp: int = 1
+    pp_sync: bool = True                   # debug: False lets each stage consume what it has
+    debug_transfer_delay: str | None = None  # "STAGE:MS[,STAGE:MS]": slow one stage's copies
+    collective_timeout_s: float = 60.0     # a stage silent this long stops the server
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -118,6 +123,20 @@ class ServerConfig:
             from engine.runtime.pd.serve import check_options
 
             check_options(self)
+        if not 1 <= self.pp <= 8:
+            raise ValueError(f"--pp must be 1..8, got {self.pp}")
+        if self.pp > 1:
+            from engine.runtime.pipeline import parse_delay
+
+            parse_delay(self.debug_transfer_delay, self.pp)
+            if self.speculative_num_draft_tokens:
+                raise ValueError("--pp cannot be combined with speculative decoding yet")
+            if self.disaggregation is not None:
+                raise ValueError("--pp cannot be combined with --disaggregation yet")
+        elif self.debug_transfer_delay:
+            raise ValueError("--debug-transfer-delay needs --pp 2 or more")
+        if not (math.isfinite(self.collective_timeout_s) and self.collective_timeout_s > 0):
+            raise ValueError("--collective-timeout must be a finite number > 0")
         if self.inject_divergence:
             from engine.parallel.divergence import parse_spec
 
@@ -179,10 +198,20 @@ class ServerConfig:
 class Engine:
     """The model, its tokenizer, the cache and the scheduler, wired together."""
 
-    def __init__(self, cfg: ServerConfig):
+    def __init__(self, cfg: ServerConfig, stage: int = 0):
+        """``stage``: this process's pipeline stage (``cfg.pp`` > 1); stage 0 starts the others
+        (engine.runtime.pipeline) and serves HTTP."""
         self.cfg = cfg
+        self.stage = stage
+        self.stage_procs: list = []
         self.device = resolve_device(cfg.device)
+        if cfg.pp > 1 and stage == 0:
+            self._start_stages(cfg)
         self.model: Model = load_model(cfg.model, self.device, seed=cfg.seed, exact=cfg.exact)
+        if cfg.pp > 1:
+            from engine.runtime.pipeline import stage_model
+
+            self.model = stage_model(self.model, stage, cfg.pp)
         mc = self.model.cfg
         model_dir = cfg.model if os.path.isdir(cfg.model) else None
         self.tokenizer: Tokenizer | None = load_tokenizer(
@@ -211,7 +240,12 @@ class Engine:
             write_policy=cfg.write_policy, write_through_threshold=cfg.write_through_threshold,
             eviction_policy=cfg.eviction_policy, host_layout=cfg.host_layout,
             device=self.device, layout=layout, sidecar=sidecar),
-            events=self._event_log(cfg))
+            events=self._event_log(cfg, stage))
+        if cfg.pp > 1:
+            from engine.runtime.pipeline import parse_delay
+
+            self.cache.transfers.debug_delay_s = parse_delay(cfg.debug_transfer_delay,
+                                                             cfg.pp).get(stage, 0.0)
         if cfg.rank_log_dir is not None:      # fail at start, not at shutdown
             from formats.outpath import check_output_dir, check_output_file
 
@@ -225,10 +259,18 @@ class Engine:
         if cfg.hicache_storage_backend is not None or \
                 cfg.hicache_storage_backend_config is not None:
             self._attach_storage(cfg, layout)
-        self.scheduler = Scheduler(self.model, self.cache, SchedulerConfig(
-            max_running_requests=cfg.max_running_requests,
-            chunked_prefill_size=cfg.chunked_prefill_size,
-            disable_radix_cache=cfg.disable_radix_cache), draft=self.draft, spec=spec)
+        sched_cfg = SchedulerConfig(max_running_requests=cfg.max_running_requests,
+                                    chunked_prefill_size=cfg.chunked_prefill_size,
+                                    disable_radix_cache=cfg.disable_radix_cache)
+        if cfg.pp > 1:
+            from engine.runtime.pipeline import PipelineScheduler
+
+            self.scheduler: Scheduler = PipelineScheduler(
+                self.model, self.cache, sched_cfg, stage=stage, num_stages=cfg.pp,
+                pp_sync=cfg.pp_sync, timeout_s=cfg.collective_timeout_s)
+        else:
+            self.scheduler = Scheduler(self.model, self.cache, sched_cfg, draft=self.draft,
+                                       spec=spec)
         self.model_name = cfg.served_model_name or mc.name
         self.weight_version = cfg.weight_version
         self.tokenizer_path, self._tmp_tokenizer = self._tokenizer_dir(cfg, model_dir)
@@ -249,9 +291,10 @@ class Engine:
         return os.path.abspath(d), tmp
 
     @staticmethod
-    def _event_log(cfg: ServerConfig) -> EventLog:
+    def _event_log(cfg: ServerConfig, stage: int = 0) -> EventLog:
         keep = cfg.record_events or cfg.rank_log_dir is not None
-        log_ = EventLog(enabled=keep or bool(cfg.inject_divergence), keep=keep)
+        rank = RankInfo(rank=stage, world_size=cfg.pp, pp_rank=stage, pp_size=cfg.pp)
+        log_ = EventLog(rank, enabled=keep or bool(cfg.inject_divergence), keep=keep)
         if cfg.inject_divergence:
             from engine.parallel.divergence import install
 
@@ -326,8 +369,48 @@ class Engine:
     def start(self) -> None:
         self.scheduler.start()
 
+    def _start_stages(self, cfg: ServerConfig) -> None:
+        """Stage 0: start stages 1 … pp-1 as processes and join their process group."""
+        import datetime
+
+        import torch.distributed as dist
+        import torch.multiprocessing as mp
+
+        from engine.parallel.launch import free_port
+        from engine.runtime.pipeline import stage_worker
+
+        port = free_port()
+        ctx = mp.get_context("spawn")
+        self.stage_procs = [ctx.Process(target=stage_worker, name=f"hicache-stage{s}",
+                                        args=(s, cfg.pp, port, cfg, cfg.collective_timeout_s),
+                                        daemon=True) for s in range(1, cfg.pp)]
+        for p in self.stage_procs:
+            p.start()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=cfg.pp,
+                                timeout=datetime.timedelta(seconds=cfg.collective_timeout_s))
+
+    def flush(self) -> None:
+        """Drop every unlocked page (on every pipeline stage). Call on the scheduler thread."""
+        if self.cfg.pp > 1:
+            self.scheduler.request_flush()
+        else:
+            self.cache.flush()
+
+    def stage_health(self) -> str | None:
+        """Why the pipeline is unhealthy (a stage process gone), or None."""
+        for s, p in enumerate(self.stage_procs, start=1):
+            if not p.is_alive():
+                return f"pipeline stage {s} exited (code {p.exitcode})"
+        return None
+
     def stop(self) -> None:
         self.scheduler.stop()
+        if self.stage_procs:
+            for p in self.stage_procs:
+                p.join(timeout=self.cfg.collective_timeout_s)
+                if p.is_alive():
+                    p.kill()
         if self.cfg.rank_log_dir is not None:
             self.cache.wait_all()
             os.makedirs(self.cfg.rank_log_dir, exist_ok=True)
@@ -337,6 +420,11 @@ class Engine:
         self.cache.close()
         if self._tmp_tokenizer and self.tokenizer_path:
             shutil.rmtree(self.tokenizer_path, ignore_errors=True)
+        if self.stage_procs:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
     def _rank_log_path(self) -> str:
         return os.path.join(self.cfg.rank_log_dir or ".",

@@ -1,0 +1,217 @@
+"""Pipeline parallelism in the server: K stage processes, each with its share of the layers, its
+own KV and a scheduler that makes the same cache decisions (docs/parallelism.md §2).
+
+* Stage 0 runs the HTTP front end. At every step it sends the step's intake (new requests,
+  aborts, early stops, flushes) to every stage (``broadcast``), so every stage's scheduler sees
+  the same events in the same order and admits, evicts and locks the same way.
+* Completed transfers are consumed through :class:`engine.parallel.pp_sync.PPSync`: stage 0
+  decides the ACK counts, later stages consume exactly those (their own copies may finish at
+  other times, ``--debug-transfer-delay`` makes sure they do).
+* The forward runs stage by stage: hidden states go from stage ``s`` to ``s + 1`` (point to
+  point); the last stage samples and sends its decisions (tokens, logprobs) to every stage, which
+  all apply them. KV never leaves its stage.
+
+Each stage's KV layout carries its place in the whole model (``layer_start``), so L3 objects of
+different stages never collide and a store written by one shape serves another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.parallel.pp_sync import PPSync, adjacent_groups, links_for
+from engine.runtime.model import Model
+from engine.runtime.model.weights import ModelWeights
+from engine.runtime.scheduler.core import FinishReason, Scheduler, _Phase, _Req
+from engine.runtime.scheduler.params import SamplingParams
+
+log = logging.getLogger("hicache.pipeline")
+
+
+def stage_layers(num_layers: int, num_stages: int, stage: int) -> tuple[int, int]:
+    """Layers ``[lo, hi)`` of a stage: an even split, the first stages taking the remainder."""
+    if not 1 <= num_stages <= num_layers:
+        raise ValueError(f"--pp {num_stages}: the model has {num_layers} layers (1..{num_layers} "
+                         f"stages)")
+    base, extra = divmod(num_layers, num_stages)
+    lo = stage * base + min(stage, extra)
+    return lo, lo + base + (1 if stage < extra else 0)
+
+
+def stage_model(model: Model, stage: int, num_stages: int) -> Model:
+    """The part of ``model`` one stage runs (shares the weights' tensors)."""
+    lo, hi = stage_layers(model.cfg.num_layers, num_stages, stage)
+    w = ModelWeights(embed=model.w.embed, layers=model.w.layers[lo:hi],
+                     final_norm=model.w.final_norm, lm_head=model.w.lm_head)
+    m = Model(dataclasses.replace(model.cfg, num_layers=hi - lo), w, device=str(model.device),
+              exact=model.exact)
+    m.stage = (lo, model.cfg.num_layers)
+    return m
+
+
+def parse_delay(spec: str | None, num_stages: int) -> dict[int, float]:
+    """``--debug-transfer-delay STAGE:MS[,STAGE:MS]`` → {stage: seconds}."""
+    out: dict[int, float] = {}
+    for part in (spec or "").split(","):
+        if not part.strip():
+            continue
+        try:
+            s, ms = part.split(":")
+            stage, delay = int(s), float(ms)
+        except ValueError:
+            raise ValueError(f"--debug-transfer-delay {spec!r}: expected STAGE:MS, e.g. 1:20") from None
+        if not 0 <= stage < num_stages or not 0 <= delay <= 60_000:
+            raise ValueError(f"--debug-transfer-delay {spec!r}: stage must be 0..{num_stages - 1} "
+                             f"and MS 0..60000")
+        out[stage] = delay / 1000.0
+    return out
+
+
+class StageStopped(Exception):
+    """Stage 0 told this stage to stop."""
+
+
+class PipelineScheduler(Scheduler):
+    """A scheduler that runs in lockstep with the other stages of a pipeline."""
+
+    def __init__(self, model: Model, cache: Any, config: Any, *, stage: int, num_stages: int,
+                 pp_sync: bool = True, timeout_s: float = 60.0):
+        super().__init__(model, cache, config)
+        self.stage, self.num_stages = stage, num_stages
+        self.first, self.last = stage == 0, stage == num_stages - 1
+        ack_groups = adjacent_groups(num_stages)          # pp_sync's links (its own threads)
+        self.act_groups = adjacent_groups(num_stages)     # hidden states (this thread)
+        self.sync = PPSync(links_for(stage, num_stages, ack_groups), enabled=pp_sync,
+                           timeout_s=timeout_s)
+        self._flush_pending = False
+        self._stopping = False
+
+    # -- intake: stage 0 decides, every stage applies ----------------------------------------
+    def request_flush(self) -> None:
+        """Flush every stage's cache at the next step (call on stage 0's scheduler thread)."""
+        self._flush_pending = True
+
+    def _drain_inbox(self, block: bool = False) -> None:
+        msg: list | None = None
+        if self.first:
+            events = self._pull_inbox(block)
+            msg = []
+            for kind, item in events:
+                if kind == "call":           # read-only helpers run on stage 0 alone
+                    self._handle(kind, item)
+                elif kind == "req":
+                    msg.append(("req", (item.rid, item.ids.tolist(),
+                                        dataclasses.asdict(item.sampling), item.namespace,
+                                        item.priority)))
+                else:
+                    msg.append((kind, item))
+            if self._flush_pending:
+                msg.append(("flush", None))
+                self._flush_pending = False
+            if self._stop.is_set():
+                msg.append(("shutdown", None))
+            pending = {i.rid: i for k, i in events if k == "req"}
+        box = [msg]
+        torch.distributed.broadcast_object_list(box, src=0)
+        for kind, item in box[0]:
+            if kind == "req":
+                self._handle("req", pending[item[0]] if self.first else self._rebuild(item))
+            elif kind == "flush":
+                self.cache.flush()
+            elif kind == "shutdown":
+                self._stopping = True
+            else:
+                self._handle(kind, item)
+
+    def _rebuild(self, item: tuple) -> _Req:
+        rid, ids, sampling, namespace, priority = item
+        sampling = {k: tuple(v) if isinstance(v, list) else v for k, v in sampling.items()}
+        r = _Req(rid, np.asarray(ids, dtype=np.int64), SamplingParams(**sampling), namespace,
+                 priority, None)
+        with self._lock:
+            self._by_rid[rid] = r
+        return r
+
+    def _consume_completions(self) -> None:
+        self.sync.step(self.cache)
+
+    # -- the forward, stage by stage ----------------------------------------------------------
+    def _forward(self, chunks: list, reqs: list) -> torch.Tensor | None:
+        import torch.distributed as dist
+
+        hooks = [r.load.wait_layer for r in reqs if r.load is not None]
+        hidden = None
+        t0 = time.perf_counter()
+        if not self.first:
+            n = sum(len(c) for c in chunks)
+            hidden = torch.empty((n, self.model.cfg.hidden), dtype=self.model.dtype)
+            dist.recv(hidden, src=self.stage - 1, group=self.act_groups[self.stage - 1])
+        out = self.model.forward(chunks, self.cache.l1.buf, self.page_size, hooks,
+                                 hidden_in=hidden, hidden_out=not self.last)
+        if not self.last:
+            dist.send(out.to("cpu").contiguous(), dst=self.stage + 1,
+                      group=self.act_groups[self.stage])
+            out = None
+        self.metrics.forward_seconds += time.perf_counter() - t0
+        return out
+
+    def _decide(self, chunks: list, reqs: list, logits: torch.Tensor | None) -> list:
+        box = [super()._decide(chunks, reqs, logits) if self.last else None]
+        torch.distributed.broadcast_object_list(box, src=self.num_stages - 1)
+        return box[0]
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        """Stage 0's scheduler thread: step until stopped, then take the other stages down."""
+        try:
+            while not self._stopping:
+                self.step(block=True)
+        except BaseException as exc:  # noqa: BLE001 - logged, then every request is failed
+            log.exception("pipeline stage %d failed", self.stage)
+            first_line = str(exc).splitlines()[0][:200] if str(exc) else ""
+            self.last_error = (f"pipeline stopped: stage {self.stage} lost its link to the other "
+                               f"stages (one died or hung): {type(exc).__name__}: {first_line}")
+            self._fail_all(self.last_error)
+        finally:
+            for r in list(self._running) + list(self._waiting):
+                if r.phase is not _Phase.DONE:
+                    self._finish(r, FinishReason.ABORT)
+            for kind, item in self._pull_inbox():       # arrived after the last step
+                if kind == "req":
+                    self._finish(item, FinishReason.ERROR,
+                                 error=self.last_error or "the pipeline has stopped")
+                elif kind == "call":
+                    self._handle(kind, item)
+            if self._stopping:          # a clean stop: let the next stage's link end too
+                self.sync.close()
+
+    def serve_stage(self) -> None:
+        """A later stage's main loop: step in lockstep until stage 0 says stop."""
+        while not self._stopping:
+            self.step(block=False)
+        self.sync.close()
+
+
+def stage_worker(stage: int, num_stages: int, port: int, cfg: Any, timeout_s: float) -> None:
+    """Main of a stage process (``stage >= 1``): join the group, build the stage, serve."""
+    import torch.distributed as dist
+
+    from engine.runtime.serving.runtime import Engine
+
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=stage,
+                            world_size=num_stages, timeout=datetime.timedelta(seconds=timeout_s))
+    eng = Engine(cfg, stage=stage)
+    try:
+        eng.scheduler.serve_stage()
+    finally:
+        eng.stop()
+        dist.destroy_process_group()

@@ -1,0 +1,126 @@
+"""`bench serve --pp 2`: stage processes with their own layers and KV, kept consistent by pp_sync
+(docs/parallelism.md §2). Outputs equal one stage's; the stages' rank logs agree — and without
+pp_sync they do not, with the ACK mismatch first."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import requests
+from typer.testing import CliRunner
+
+from engine.runtime.pipeline import parse_delay, stage_layers
+from engine.runtime.serving import ServerConfig, start_server
+from hicache_cli.app import app
+
+PROMPTS = [np.random.default_rng(i).integers(0, 256, 200).tolist() for i in range(3)]
+
+
+def generate(url: str, ids: list[int]) -> tuple[list[int], dict]:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0,
+                                                  "ignore_eos": True}}
+    r = requests.post(url + "/generate", json=body, timeout=120).json()
+    return r["output_ids"], r["meta_info"]["cached_tokens_details"]
+
+
+def workload(url: str) -> list:
+    """A fresh prompt, again (an L1 hit), two others that push it out of the small L1, and the
+    first once more (an L2 restore)."""
+    a, b, c = PROMPTS
+    return [generate(url, p) for p in (a, a, b, c, a)]
+
+
+def serve(**kw):
+    return start_server(ServerConfig(port=0, l1_tokens=512, l2_tokens=4096, **kw))
+
+
+@pytest.fixture(scope="module")
+def one_stage():
+    h = serve()
+    try:
+        return workload(h.url)
+    finally:
+        h.stop()
+
+
+def check(path) -> tuple[int, dict]:
+    r = CliRunner().invoke(app, ["consensus-check", str(path), "--format", "json"])
+    return r.exit_code, json.loads(r.stdout)
+
+
+def test_stage_split_and_delay_parsing():
+    assert [stage_layers(4, 2, s) for s in range(2)] == [(0, 2), (2, 4)]
+    assert [stage_layers(5, 3, s) for s in range(3)] == [(0, 2), (2, 4), (4, 5)]
+    with pytest.raises(ValueError, match="1..4 stages"):
+        stage_layers(4, 5, 0)
+    assert parse_delay("1:20", 2) == {1: 0.02}
+    for bad in ("2:10", "x", "1:-3"):
+        with pytest.raises(ValueError, match="debug-transfer-delay"):
+            parse_delay(bad, 2)
+    with pytest.raises(ValueError, match="needs --pp"):
+        ServerConfig(debug_transfer_delay="1:5")
+
+
+def test_two_stages_equal_one_with_a_delayed_stage(one_stage, tmp_path):
+    h = serve(pp=2, debug_transfer_delay="1:20", rank_log_dir=str(tmp_path))
+    try:
+        got = workload(h.url)
+    finally:
+        h.stop()
+    assert [g[0] for g in got] == [o[0] for o in one_stage]
+    assert got[1][1]["device"] > 0                    # L1 hit
+    assert got[4][1]["host"] > 0                      # restored from L2
+    code, report = check(tmp_path)
+    assert code == 0, report
+    assert report["ranks"] == 2
+
+
+def test_without_pp_sync_the_ack_mismatch_shows_first(tmp_path):
+    h = serve(pp=2, pp_sync=False, debug_transfer_delay="1:60", rank_log_dir=str(tmp_path))
+    try:
+        workload(h.url)
+    finally:
+        h.stop()
+    code, report = check(tmp_path)
+    assert code == 3
+    assert report["divergences"][0]["category"] == "pp_ack_consumption_mismatch", report
+
+
+def test_l3_hits_across_pipeline_servers(one_stage, tmp_path):
+    store = dict(hicache_storage_backend="file", hicache_storage_dir=str(tmp_path / "l3"),
+                 hicache_storage_prefetch_policy="wait_complete")
+    for _ in range(2):         # the second pipeline starts cold: prefixes come from L3
+        h = serve(pp=2, **store)
+        try:
+            out, details = generate(h.url, PROMPTS[0])
+        finally:
+            h.stop()
+        assert out == one_stage[0][0]
+    assert details["storage"] > 0
+
+
+def test_a_dead_stage_stops_the_server_cleanly():
+    h = serve(pp=2, collective_timeout_s=10)
+    try:
+        generate(h.url, PROMPTS[0])
+        os.kill(h.engine.stage_procs[0].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while True:
+            r = requests.get(h.url + "/health", timeout=10)
+            if r.status_code == 503:
+                break
+            assert time.monotonic() < deadline, "health stayed ok after a stage died"
+            time.sleep(0.2)
+        assert "stage 1" in r.text
+        t0 = time.monotonic()
+        resp = requests.post(h.url + "/generate", json={"input_ids": PROMPTS[1],
+                             "sampling_params": {"max_new_tokens": 4}}, timeout=60)
+        assert resp.status_code >= 500 or "error" in resp.text
+        assert time.monotonic() - t0 < 30
+    finally:
+        h.stop()
