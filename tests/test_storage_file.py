@@ -197,3 +197,21 @@ def test_stale_temp_files_are_cleaned(tmp_path):
     os.utime(stale, (old, old))
     open_store(tmp_path).close()
     assert not stale.exists()
+
+
+def test_a_full_disk_is_one_warning_not_one_per_object(tmp_path, caplog):
+    import errno
+    import logging
+
+    b = FileBackend(FileStoreConfig(dir=str(tmp_path / "s")))
+    full = OSError(errno.ENOSPC, "No space left on device")
+    with caplog.at_level(logging.DEBUG, logger="hicache.storage"):
+        for i in range(200):
+            b._error("write", f"/store/objects/{i}", full)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "No space left" in warnings[0].getMessage()
+    assert b.counters["errors"] == 200
+    b._warned[errno.ENOSPC] = (time.monotonic() - 60, 199)     # ten seconds later
+    b._error("write", "/store/objects/x", full)
+    assert "(and 199 more like it since the last warning)" in caplog.records[-1].getMessage()
+    b.close()

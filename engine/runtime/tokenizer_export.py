@@ -83,14 +83,14 @@ def export_tokenizer(tok: Tokenizer, directory: str, model_name: str,
         "name_or_path": model_name, **specials}
     if tok.chat_template:
         config["chat_template"] = tok.chat_template
-    os.makedirs(directory, exist_ok=True)
+    from formats.outpath import check_output_dir, write_output
+
+    check_output_dir(directory)
     for name, data in (("tokenizer.json", body),
                        ("tokenizer_config.json", json.dumps(config, indent=2)),
                        ("special_tokens_map.json", json.dumps(specials, indent=2))):
-        tmp = os.path.join(directory, name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(data)
-        os.replace(tmp, os.path.join(directory, name))
+        # formats.outpath's rule: never replaces a device or FIFO, writes through symlinks
+        write_output(os.path.join(directory, name), data.encode("utf-8"))
     return directory
 
 

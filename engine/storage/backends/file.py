@@ -62,6 +62,7 @@ STORE_FORMAT = "hicache-file-store"
 STORE_VERSION = 1
 QUARANTINE_KEEP = 16
 STALE_TMP_S = 15 * 60
+WARN_EVERY_S = 10.0
 _USAGE = struct.Struct("<8sQQ")
 _USAGE_MAGIC = b"HCUSAGE1"
 _seq = itertools.count()
@@ -155,6 +156,7 @@ class FileBackend:
         self._dirs: set[str] = set()
         self._sink = memoryview(bytearray(1))   # the byte past an object's end (never used)
         self._closed = False
+        self._warned: dict[int, tuple[float, int]] = {}   # errno -> (last warning, since)
         self.counters = Counters("puts", "put_skipped", "gets", "hits", "misses", "evictions",
                                  "errors", "quarantined")
         with self._locked():
@@ -437,10 +439,22 @@ class FileBackend:
                 **self.counters.as_dict()}
 
     def _error(self, what: str, path: str, e: OSError) -> None:
+        """Count an I/O failure. A full disk, an I/O error or a read-only filesystem is a
+        warning — at most one per kind every ``WARN_EVERY_S`` (a full disk fails every write:
+        one line says so, with how many more there were), the rest at debug level."""
         self.counters.add("errors")
-        level = logging.WARNING if e.errno in (errno.ENOSPC, errno.EIO, errno.EROFS) else \
-            logging.INFO
-        log.log(level, "file store: %s %s failed: %s", what, path, e)
+        if e.errno not in (errno.ENOSPC, errno.EIO, errno.EROFS):
+            log.info("file store: %s %s failed: %s", what, path, e)
+            return
+        now = time.monotonic()
+        last, quiet = self._warned.get(e.errno, (-WARN_EVERY_S, 0))
+        if now - last < WARN_EVERY_S:
+            self._warned[e.errno] = (last, quiet + 1)
+            log.debug("file store: %s %s failed: %s", what, path, e)
+            return
+        self._warned[e.errno] = (now, 0)
+        more = f" (and {quiet} more like it since the last warning)" if quiet else ""
+        log.warning("file store: %s %s failed: %s%s", what, path, e, more)
 
     def close(self) -> None:
         if self._closed:
