@@ -74,7 +74,8 @@ def check_output_file(path: "str | os.PathLike[str]") -> str:
 
 def check_output_dir(path: "str | os.PathLike[str]", create: bool = True) -> str:
     """An output directory: created when ``create`` (and missing), must be a writable
-    directory. Returns its absolute path."""
+    directory; with ``create=False`` a missing one must be creatable (its nearest existing
+    ancestor a writable directory). Returns its absolute path."""
     p = os.fspath(path)
     if create:
         try:
@@ -83,6 +84,15 @@ def check_output_dir(path: "str | os.PathLike[str]", create: bool = True) -> str
             pass
         except OSError as e:
             raise OutputPathError(p, f"cannot be created ({e.strerror})", e.errno) from None
+    if not create and not os.path.lexists(p):
+        # to be created later: the nearest existing ancestor must be a writable directory
+        up = os.path.dirname(os.path.abspath(p))
+        while not os.path.lexists(up):
+            up = os.path.dirname(up)
+        if not os.path.isdir(up) or not os.access(up, os.W_OK | os.X_OK):
+            raise OutputPathError(p, f"cannot be created: {up} is not a writable directory",
+                                  errno.EACCES)
+        return os.path.abspath(p)
     try:
         st = os.stat(p)
     except OSError as e:

@@ -98,3 +98,14 @@ def test_serve_checks_outputs_at_start_and_names_the_real_path(tmp_path):
     assert p.returncode == 1, p.stderr
     assert str(tmp_path / "logs") in p.stderr and "cannot listen" not in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_output_dir_to_be_created_later_is_checked_now(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(OutputPathError, match="cannot be created: .* is not a writable directory"):
+        check_output_dir(tmp_path / "f" / "logs", create=False)
+    assert check_output_dir(tmp_path / "a" / "b", create=False) == str(tmp_path / "a" / "b")
+    assert not (tmp_path / "a").exists()          # checked, not created
+    r = runner.invoke(app, ["bench", "replay", DATA, "--limit", "5", "--rank-log-dir",
+                            str(tmp_path / "f" / "logs")])
+    assert r.exit_code == 1 and "--rank-log-dir" in r.stderr and "hit rate" not in r.output

@@ -49,8 +49,7 @@ def _check_output_path(name: str, path: Optional[Path], directory: bool = False)
         return
     try:
         if directory:
-            if path.exists() or path.is_symlink():
-                check_output_dir(path, create=False)
+            check_output_dir(path, create=False)
             return
         check_output_file(path)
     except OutputPathError as e:
