@@ -1,0 +1,64 @@
+"""Pipeline parallelism: the same multi-turn load against `bench serve --pp 1` and `--pp 2`,
+throughput and TTFT side by side (docs/parallelism.md).
+
+    .venv/bin/python benchmarks/bench_pp.py [--clients 4] [--rounds 4] [--delay 1:5]
+
+Both servers run in this process tree on this machine, one after the other, with the same L1/L2
+sizes and the same workload. On a 2-core machine expect no gain: the stages run one batch at a
+time and share the cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from engine.loadgen import LoadConfig, multiturn, run_load, summarize_result  # noqa: E402
+from engine.runtime.serving import ServerConfig, start_server  # noqa: E402
+
+
+def one(pp: int, args) -> dict:
+    cfg = ServerConfig(port=0, l1_tokens=args.l1_tokens, l2_tokens=4 * args.l1_tokens, pp=pp,
+                       debug_transfer_delay=args.delay if pp > 1 else None)
+    h = start_server(cfg)
+    try:
+        wl = multiturn(num_clients=args.clients, num_rounds=args.rounds,
+                       request_length=args.request_length, output_length=args.output_length,
+                       vocab_size=256, seed=0)
+        rep = summarize_result(run_load(wl, LoadConfig(url=h.url, concurrency=args.clients)))
+    finally:
+        h.stop()
+    return {"pp": pp, "ok": rep["requests"]["ok"], "sent": rep["requests"]["sent"],
+            "hit_rate": rep["hit_rate"]["total"], "ttft_p50_s": rep["ttft_s"]["p50"],
+            "ttft_p99_s": rep["ttft_s"]["p99"],
+            "input_tokens_per_s": rep["throughput"]["input_tokens_per_s"],
+            "output_tokens_per_s": rep["throughput"]["output_tokens_per_s"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--request-length", type=int, default=128)
+    ap.add_argument("--output-length", type=int, default=16)
+    ap.add_argument("--l1-tokens", type=int, default=2048)
+    ap.add_argument("--delay", default=None, help="--debug-transfer-delay for the --pp 2 run")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    rows = [one(1, args), one(2, args)]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    print(f"{'':22}{'--pp 1':>12}{'--pp 2':>12}")
+    for key in ("ok", "hit_rate", "ttft_p50_s", "ttft_p99_s", "input_tokens_per_s",
+                "output_tokens_per_s"):
+        a, b = rows[0][key], rows[1][key]
+        fmt = (lambda v: f"{v:.3f}") if isinstance(a, float) else str
+        print(f"{key:22}{fmt(a):>12}{fmt(b):>12}")
+
+
+if __name__ == "__main__":
+    main()
