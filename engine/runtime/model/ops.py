@@ -14,8 +14,8 @@ one at a time and later re-read as part of a prompt), so on the exact path every
   position 0: ``P @ V`` per block (fixed reduction length), then a sequential sum over
   blocks (scores reduce over the head dim only, so they do not depend on the key count). Keys a
   query may not see contribute exact zeros, so a query's result does not depend on how many keys
-  the rest of its chunk needs. The softmax denominator rides along as an extra all-ones column
-  of V, so it is summed by the same products.
+  the rest of its chunk needs. The softmax runs along each row from key 0 (max, exp, sum), so
+  masked keys add exact zeros to it.
 
 The ``sdpa`` path (default on CUDA) uses PyTorch's fused attention instead; it is faster and
 agrees at the token level, not bitwise.
@@ -134,23 +134,29 @@ def _attention_exact_pass(qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     rows = qh.permute(1, 2, 0, 3).reshape(Hkv, G * M, Dk)              # row = g * M + m
     rows, R = _pad_rows(rows, 1)
     Rp = rows.shape[1]
-    row_pos = torch.zeros(Rp, dtype=torch.long, device=qh.device)
-    row_pos[:R] = q_pos.repeat(G)
     scores = torch.matmul(rows, kt).float()                            # [Hkv, Rp, Tp]
-    hidden = torch.arange(Tp, device=qh.device).view(1, Tp) > row_pos.view(Rp, 1)
-    scores.masked_fill_(hidden, float("-inf"))
-    mx = scores.amax(dim=-1, keepdim=True)
-    p = torch.exp(scores.sub_(mx)).to(v.dtype)
-    # P @ [V | 1] per key block (fixed reduction length), blocks summed in order.
-    pb = p.view(Hkv, Rp, nb, KEY_BLOCK).permute(2, 0, 1, 3).reshape(nb * Hkv, Rp, KEY_BLOCK)
-    v1 = torch.cat([v[:T], v.new_ones((T, Hkv, 1))], dim=-1)
-    vb = F.pad(v1, (0, 0, 0, 0, 0, pad)).view(nb, KEY_BLOCK, Hkv, Dv + 1).permute(0, 2, 1, 3)
-    pv = torch.bmm(pb, vb.reshape(nb * Hkv, KEY_BLOCK, Dv + 1)).view(nb, Hkv, Rp, Dv + 1)
-    acc = pv[0].float()
-    for b in range(1, nb):                        # sequential: trailing zero blocks are no-ops
-        acc.add_(pv[b])
-    o = acc[..., :Dv] / acc[..., Dv:]
-    return o[:, :R].view(Hkv, G, M, Dv).permute(2, 0, 1, 3).reshape(M, Hkv * G, Dv)
+    # Keys up to the lowest query position are visible to every row: mask only the rest.
+    # (Padding rows see every key; their results are dropped.)
+    lo = int(q_pos.min()) + 1
+    if lo < Tp:
+        row_pos = q_pos.new_full((Rp,), T - 1)
+        row_pos[:R] = q_pos.repeat(G)
+        hidden = torch.arange(lo, Tp, device=qh.device).view(1, Tp - lo) > row_pos.view(Rp, 1)
+        scores[..., lo:].masked_fill_(hidden, float("-inf"))
+    # Row-wise softmax: max, exp and sum run along the row from key 0 (masked keys add exact
+    # zeros), so a row's probabilities do not depend on the other rows or on trailing blocks.
+    p = torch.softmax(scores, dim=-1).to(v.dtype)
+    # P @ V per key block (fixed reduction length), blocks summed in order. The blocks of a
+    # head's P are strided views (no copy); V is laid out [Hkv, nb, KEY_BLOCK, Dv].
+    vb = F.pad(v[:T], (0, 0, 0, 0, 0, pad)).view(nb, KEY_BLOCK, Hkv, Dv).permute(2, 0, 1, 3)
+    out = torch.empty((Hkv, R, Dv), dtype=torch.float32, device=qh.device)
+    for h in range(Hkv):
+        pv = torch.bmm(p[h].view(Rp, nb, KEY_BLOCK).transpose(0, 1), vb[h])   # [nb, Rp, Dv]
+        acc = pv[0].float()
+        for b in range(1, nb):                    # sequential: trailing zero blocks are no-ops
+            acc.add_(pv[b])
+        out[h] = acc[:R]
+    return out.view(Hkv, G, M, Dv).permute(2, 0, 1, 3).reshape(M, Hkv * G, Dv)
 
 
 def _attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,

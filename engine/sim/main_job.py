@@ -1,0 +1,269 @@
+"""The main job behind ``hicache bench``: the same workload against L1 only, then HiCache.
+
+Starts the benchmark server in-process (``engine.runtime.serving.start_server``) on a free
+127.0.0.1 port, runs the workload with L1 only (no L2), restarts the server with HiCache (the same
+L1 plus L2, plus a file L3 in a temporary directory) and returns both runs' reports and their
+ratios. Each server is always stopped, on success, on an error and on Ctrl-C.
+
+The default workload is ``agentic`` (see :data:`MAIN_AGENTIC` and docs/benchmarking.md): agent
+sessions that share a system prompt and tool definitions, each with its own task context and a
+history that grows by one tool output and one answer per turn. The sessions' histories together
+are several times L1, and the driver serves the sessions' turns in FIFO order, so with L1 alone a
+session's history has been evicted by the time its next turn comes (only the shared prefix
+stays), while L2 and the file L3 keep every history.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import tempfile
+import time
+from typing import Callable, Iterator
+
+from engine.core.errors import HiCacheError
+from engine.loadgen.driver import LoadConfig, LoadResult, run_load
+from engine.loadgen.report import summarize_result
+from engine.loadgen.trace import trace_workload
+from engine.loadgen.workloads import ConversationConfig, Workload, agentic, multiturn
+
+# The main job's sizes, scaled for the ``tiny`` model on 2 CPU cores (docs/benchmarking.md).
+MAIN_AGENTIC = dict(num_clients=6, num_rounds=12, context_length=640, system_length=256,
+                    request_length=16, output_length=8)
+MAIN_MULTITURN = dict(num_clients=8, num_rounds=8, request_length=192, output_length=8)
+MAIN_TRACE = dict(trace_limit=256, trace_block_tokens=16, output_length=8)
+"""A trace: its first 256 requests, 16 tokens per 512-token block, at most 8 output tokens."""
+TRACE_SPEEDUP = 1000.0
+"""Trace time runs this much faster: the requests queue up and are sent in trace order as fast
+as the concurrency allows (the job measures the cache, not the arrival process)."""
+SHAPE_FIELDS = ("num_clients", "num_rounds", "request_length", "output_length",
+                "context_length", "system_length")
+TRACE_FIELDS = ("trace_limit", "trace_block_tokens")
+RUNS = (("l1_only", "L1 only"), ("hicache", "HiCache"))
+
+Runner = Callable[[Workload, LoadConfig, str], LoadResult]
+"""Runs one workload against a server (``run_load`` plus, in the CLI, a progress bar)."""
+
+
+class ServerStartError(HiCacheError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class MainJobConfig:
+    """``workload``: ``agentic`` | ``multiturn`` | ``trace:PATH``. Workload fields left ``None``
+    take the main-job default (:data:`MAIN_AGENTIC`, :data:`MAIN_MULTITURN`, :data:`MAIN_TRACE`);
+    for a trace, ``output_length`` caps each request's output."""
+
+    workload: str = "agentic"
+    num_clients: int | None = None
+    num_rounds: int | None = None
+    request_length: int | None = None
+    output_length: int | None = None
+    context_length: int | None = None
+    system_length: int | None = None
+    trace_limit: int | None = None
+    trace_block_tokens: int | None = None
+    concurrency: int = 2
+    l1_tokens: int = 2048
+    l2_tokens: int = 3072
+    """L2 of the HiCache run; the rest of the histories spill to the file L3."""
+    storage: bool = True
+    device: str = "auto"
+    model: str = "tiny"
+    seed: int = 0
+    threads: int | None = 1
+    """torch intra-op threads during the job (``None``: leave torch's setting). The server's
+    HTTP thread and the load generator share the process, so one thread for the model leaves a
+    core to them on a small machine, and stays fast when other processes load the cores."""
+
+    @property
+    def is_trace(self) -> bool:
+        return self.workload.startswith("trace:")
+
+    def shape(self) -> dict[str, int]:
+        """The workload's sizes actually used (defaults filled in)."""
+        if self.is_trace:
+            preset, fields = MAIN_TRACE, ("output_length", *TRACE_FIELDS)
+        else:
+            preset = {"agentic": MAIN_AGENTIC, "multiturn": MAIN_MULTITURN}.get(self.workload, {})
+            fields = SHAPE_FIELDS
+        given = {k: getattr(self, k) for k in fields if getattr(self, k) is not None}
+        return {**preset, **given}
+
+
+def check_options(cfg: MainJobConfig) -> None:
+    """``ValueError`` for an unknown workload or an option that does not apply to it."""
+    given = {k for k in SHAPE_FIELDS + TRACE_FIELDS if getattr(cfg, k) is not None}
+    if cfg.is_trace:
+        if cfg.workload == "trace:":
+            raise ValueError("trace workload needs a path: trace:PATH")
+        allowed = {"output_length", *TRACE_FIELDS}
+    elif cfg.workload == "agentic":
+        allowed = set(SHAPE_FIELDS)
+    elif cfg.workload == "multiturn":
+        allowed = set(SHAPE_FIELDS) - {"context_length", "system_length"}
+    else:
+        raise ValueError(f"unknown workload {cfg.workload!r}; choose agentic, multiturn or "
+                         f"trace:PATH")
+    extra = [k for k in SHAPE_FIELDS + TRACE_FIELDS if k in given - allowed]
+    if extra:
+        opts = ", ".join("--" + k.replace("_", "-") for k in extra)
+        kind = "trace" if cfg.is_trace else cfg.workload
+        raise ValueError(f"{opts} does not apply to the {kind} workload")
+
+
+def build_workload(cfg: MainJobConfig) -> Workload:
+    """The workload of ``cfg`` (fresh sessions: the same prompts every time)."""
+    check_options(cfg)
+    shape = cfg.shape()
+    if cfg.is_trace:
+        return trace_workload(cfg.workload[len("trace:"):], speedup=TRACE_SPEEDUP,
+                              limit=shape["trace_limit"],
+                              block_tokens_n=shape["trace_block_tokens"],
+                              max_tokens=shape["output_length"])
+    if cfg.workload == "agentic":
+        return agentic(**shape, seed=cfg.seed)
+    return multiturn(**shape, seed=cfg.seed)
+
+
+def conversation_config(cfg: MainJobConfig) -> ConversationConfig | None:
+    """The conversation shape (``None`` for a trace)."""
+    if cfg.is_trace:
+        return None
+    shape = cfg.shape()
+    if cfg.workload == "agentic":
+        ctx, sys_len = shape.pop("context_length"), shape.pop("system_length")
+        if ctx <= sys_len:
+            raise ValueError(f"context-length ({ctx}) must exceed system-length ({sys_len})")
+        shape.update(first_length=ctx - sys_len, system_length=sys_len)
+    return ConversationConfig(**shape, seed=cfg.seed)
+
+
+def check_config(cfg: MainJobConfig) -> None:
+    """Usage errors (``ValueError``) before anything starts: the device, the workload, and a last
+    turn that could never fit in L1 (the server would refuse it with HTTP 400 in both runs)."""
+    from engine.core.device import resolve_device
+    from engine.runtime.serving import ServerConfig
+
+    resolve_device(cfg.device)
+    if cfg.concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {cfg.concurrency}")
+    if cfg.threads is not None and cfg.threads < 1:
+        raise ValueError(f"threads must be >= 1, got {cfg.threads}")
+    check_options(cfg)
+    if cfg.is_trace:
+        build_workload(cfg)         # reads the trace: a bad file fails before any server starts
+        return
+    shape = conversation_config(cfg)
+    # as the server counts: whole pages, KV for the prompt and every output token but the last
+    page = ServerConfig.page_size
+    need = -(-(shape.max_prompt_tokens + shape.output_length - 1) // page) * page
+    if need > cfg.l1_tokens // page * page:
+        raise ValueError(f"the last round needs {need} tokens of KV (pages of {page}) but "
+                         f"--l1-tokens {cfg.l1_tokens} holds {cfg.l1_tokens // page * page}; "
+                         f"raise --l1-tokens or lower --num-rounds / --request-length")
+
+
+def server_config(cfg: MainJobConfig, hicache: bool, storage_dir: str | None):
+    """L1 only: no L2, no L3. HiCache: the same L1, ``l2_tokens`` of L2, and a file L3 in
+    ``storage_dir`` when given."""
+    from engine.runtime.serving import ServerConfig
+
+    extra = {}
+    if hicache and storage_dir is not None:
+        extra = {"hicache_storage_backend": "file", "hicache_storage_dir": storage_dir}
+    return ServerConfig(host="127.0.0.1", port=0, device=cfg.device, model=cfg.model,
+                        l1_tokens=cfg.l1_tokens, l2_tokens=cfg.l2_tokens if hicache else 0,
+                        **extra)
+
+
+@contextlib.contextmanager
+def embedded_server(server_cfg, label: str) -> Iterator[str]:
+    """Start the benchmark server in-process on a free 127.0.0.1 port; always stop it."""
+    from engine.runtime.serving import start_server
+
+    try:
+        handle = start_server(server_cfg)
+    except OSError as exc:
+        raise ServerStartError(f"{label} server did not start: {exc}") from None
+    try:
+        yield handle.url
+    finally:
+        handle.stop()
+
+
+def _plain_runner(wl: Workload, lc: LoadConfig, label: str) -> LoadResult:
+    return run_load(wl, lc)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Run with ``n`` torch intra-op threads, then restore the previous setting."""
+    import torch
+
+    prev = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
+
+
+def run_main_job(cfg: MainJobConfig, runner: Runner = _plain_runner) -> dict:
+    """Both runs; returns ``{"config", "runs": {"l1_only", "hicache"}, "comparison", "wall_s",
+    "cpu_s"}`` (``cpu_s``: CPU time of this process, the figure to compare on a loaded machine)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    check_config(cfg)
+    runs: dict[str, dict] = {}
+    with torch_threads(cfg.threads), \
+            tempfile.TemporaryDirectory(prefix="hicache-bench-l3-") as l3_dir:
+        for name, label in RUNS:
+            hicache = name == "hicache"
+            srv = server_config(cfg, hicache, l3_dir if cfg.storage else None)
+            wl = build_workload(cfg)        # fresh sessions: the same prompts in both runs
+            with embedded_server(srv, label) as url:
+                result = runner(wl, LoadConfig(url=url, concurrency=cfg.concurrency,
+                                               seed=cfg.seed), label)
+            runs[name] = summarize_result(result)
+    tiers = "L1+L2+L3(file)" if cfg.storage else "L1+L2"
+    config = {**dataclasses.asdict(cfg), "shape": cfg.shape(), "hicache_tiers": tiers}
+    return {"config": config, "runs": runs, "comparison": compare(runs["l1_only"], runs["hicache"]),
+            "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if not a or not b or not (math.isfinite(a) and math.isfinite(b)):
+        return None
+    return a / b
+
+
+def compare(l1_only: dict, hicache: dict) -> dict:
+    """Hit rates side by side; how many times lower HiCache's TTFT is, and how many times higher
+    its input throughput."""
+    return {
+        "hit_rate_l1_only": l1_only["hit_rate"]["total"],
+        "hit_rate_hicache": hicache["hit_rate"]["total"],
+        "ttft_p50_ratio": _ratio(l1_only["ttft_s"]["p50"], hicache["ttft_s"]["p50"]),
+        "ttft_p90_ratio": _ratio(l1_only["ttft_s"]["p90"], hicache["ttft_s"]["p90"]),
+        "input_throughput_ratio": _ratio(hicache["throughput"]["input_tokens_per_s"],
+                                         l1_only["throughput"]["input_tokens_per_s"]),
+    }
+
+
+def title(res: dict) -> str:
+    """One line naming the workload and the cache sizes of a :func:`run_main_job` result."""
+    cfg, shape = res["config"], res["config"]["shape"]
+    sizes = f"L1 {cfg['l1_tokens']} tokens, L2 {cfg['l2_tokens']}"
+    if cfg["workload"] == "agentic":
+        return (f"agentic: {shape['num_clients']} sessions x {shape['num_rounds']} turns, "
+                f"{shape['system_length']}-token shared prefix, {shape['context_length']}-token "
+                f"first prompt, +{shape['request_length']} tool tokens/turn; {sizes}")
+    if cfg["workload"] == "multiturn":
+        return (f"multiturn: {shape['num_clients']} clients x {shape['num_rounds']} rounds, "
+                f"{shape['request_length']} tokens/turn; {sizes}")
+    return (f"{cfg['workload']}: first {shape['trace_limit']} requests, "
+            f"{shape['trace_block_tokens']} tokens per block, <= {shape['output_length']} output "
+            f"tokens; {sizes}")
