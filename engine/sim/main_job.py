@@ -29,8 +29,11 @@ from engine.loadgen.trace import trace_workload
 from engine.loadgen.workloads import ConversationConfig, Workload, agentic, multiturn
 
 # The main job's sizes, scaled for the ``tiny`` model on 2 CPU cores (docs/benchmarking.md).
-MAIN_AGENTIC = dict(num_clients=6, num_rounds=12, context_length=640, system_length=256,
-                    request_length=16, output_length=8)
+MAIN_AGENTIC = dict(num_clients=4, num_rounds=12, context_length=896, system_length=320,
+                    request_length=12, output_length=4)
+"""4 sessions x 12 turns: a 320-token prefix shared by all (system prompt, tool definitions), a
+576-token task context of each session's own, then per turn a 4-token tool call (the answer)
+and a 12-token tool result: one 16-token page a turn, prompts grow from 896 to 1072 tokens."""
 MAIN_MULTITURN = dict(num_clients=8, num_rounds=8, request_length=192, output_length=8)
 MAIN_TRACE = dict(trace_limit=256, trace_block_tokens=16, output_length=8)
 """A trace: its first 256 requests, 16 tokens per 512-token block, at most 8 output tokens."""
@@ -66,7 +69,7 @@ class MainJobConfig:
     trace_limit: int | None = None
     trace_block_tokens: int | None = None
     concurrency: int = 2
-    l1_tokens: int = 2048
+    l1_tokens: int = 2560
     l2_tokens: int = 3072
     """L2 of the HiCache run; the rest of the histories spill to the file L3."""
     storage: bool = True

@@ -24,16 +24,16 @@ def main_job(
     ctx: typer.Context,
     workload: str = typer.Option(D.workload, "--workload", "-w",
                                  help="agentic | multiturn | trace:PATH (Mooncake JSONL or .gz)."),
-    num_clients: Optional[int] = typer.Option(None, min=1, help="Sessions (default: agentic 6, multiturn 8)."),
+    num_clients: Optional[int] = typer.Option(None, min=1, help="Sessions (default: agentic 4, multiturn 8)."),
     num_rounds: Optional[int] = typer.Option(None, min=1, help="Turns per session (default: agentic 12, multiturn 8)."),
     request_length: Optional[int] = typer.Option(
-        None, min=1, help="New tokens per turn: agentic tool output (default 16), multiturn user turn (192)."),
+        None, min=1, help="New tokens per turn: agentic tool output (default 12), multiturn user turn (192)."),
     output_length: Optional[int] = typer.Option(
-        None, min=1, help="Tokens generated per request (default 8; trace: a cap, default 8)."),
+        None, min=1, help="Tokens generated per request (default: agentic 4, multiturn 8; trace: a cap, default 8)."),
     context_length: Optional[int] = typer.Option(
-        None, min=2, help="agentic: first-turn prompt tokens, shared prefix included (default 640)."),
+        None, min=2, help="agentic: first-turn prompt tokens, shared prefix included (default 896)."),
     system_length: Optional[int] = typer.Option(
-        None, min=0, help="agentic: prefix shared by every session (default 256)."),
+        None, min=0, help="agentic: prefix shared by every session (default 320)."),
     trace_limit: Optional[int] = typer.Option(None, min=1, help="trace: first N requests (default 256)."),
     trace_block_tokens: Optional[int] = typer.Option(
         None, min=1, help="trace: tokens per 512-token block (default 16, scaled for the tiny model)."),
