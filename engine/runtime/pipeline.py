@@ -75,10 +75,6 @@ def parse_delay(spec: str | None, num_stages: int) -> dict[int, float]:
     return out
 
 
-class StageStopped(Exception):
-    """Stage 0 told this stage to stop."""
-
-
 class PipelineScheduler(Scheduler):
     """A scheduler that runs in lockstep with the other stages of a pipeline."""
 
