@@ -217,7 +217,7 @@ def test_events_record_each_decision():
 
 
 def test_poll_consumes_exactly_the_agreed_number_of_acks():
-    """The PP protocol (SPEC §2.2): a stage consumes exactly N completed ops even if more are
+    """The PP protocol (docs/parallelism.md §2): a stage consumes exactly N completed ops even if more are
     done locally; ready_count is what it can ACK."""
     c = make_cache(page_size=2, l1_pages=8, l2_pages=8)
     c.transfers.pause()

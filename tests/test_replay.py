@@ -27,8 +27,8 @@ def test_token_mapping():
     assert t[-1] == 7 * 512 + 87
 
 
-# SGLang 0.5.23's RadixCache on the same slice (shared/peers/sglang_radix_replay.py) printed
-# 0.0358 at 200K tokens and 0.0366 at 1M tokens (page 64, LRU).
+# SGLang 0.5.23's RadixCache on the same slice (the peer replay that
+# benchmarks/bench_replay_vs_sglang.py runs) printed 0.0358 at 200K tokens and 0.0366 at 1M tokens (page 64, LRU).
 @pytest.mark.parametrize("cap,want", [(200_000, 0.035774), (1_000_000, 0.036592)])
 def test_known_hit_rates(records, cap, want):
     res, _ = replay(records, ReplayConfig(page_size=64, l1_tokens=cap))

@@ -1,7 +1,7 @@
 """Page-granular slot allocators with exact accounting.
 
 An allocator hands out *page ids*; token slot ``s`` of page ``p`` is ``p * page_size + s``.
-It knows nothing of trees or tensors (STYLE: allocator → pool → transfer → tree → facade).
+It knows nothing of trees or tensors (docs/design.md, "Layers": allocator → pool → transfer → tree → facade).
 """
 
 from __future__ import annotations

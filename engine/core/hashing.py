@@ -1,4 +1,4 @@
-"""Chained page hashes (SPEC §1): the L3 keys of the cache.
+"""Chained page hashes (docs/design.md, "L3 keys"): the L3 keys of the cache.
 
 ``h_i = SHA-256(h_{i-1} || tokens of page i as uint32 little-endian)``; the first page has no
 predecessor unless a namespace seeds the chain. This is the chaining SGLang uses, so keys

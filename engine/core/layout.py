@@ -1,8 +1,8 @@
-"""KV layouts as frozen values (STYLE: "layout is a frozen value").
+"""KV layouts as frozen values (docs/design.md: "layouts are frozen values").
 
 A :class:`KVLayout` describes the bytes of one page of KV for a range of layers and kv-heads:
 model dims, dtype, page size, byte order. Sizes are derived, never stored. Storage keys and
-object headers are built from it, and they never contain a rank number (SPEC §2.4).
+object headers are built from it, and they never contain a rank number (docs/parallelism.md §4).
 """
 
 from __future__ import annotations
