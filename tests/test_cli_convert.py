@@ -195,7 +195,7 @@ def test_mixed_layouts_need_from(tmp_path):
     b.close()
     res = convert(src, tmp_path / "dst")
     assert res.exit_code == 1 and "mixes 2 layouts" in res.output
-    assert not objects(tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
     s = summary(convert(src, tmp_path / "dst", "--from", "legacy:tp=2,pp=1", "--format",
                         "json"))
     assert (s["objects_in"], s["other_layout"], s["written"]) == (12, 16, 48)
@@ -296,6 +296,7 @@ def test_file_to_mooncake_and_back(tmp_path, master):
     bad_admin = url.replace(f"admin={master.metrics_port}", f"admin={master.rpc_port + 7}")
     res = convert(bad_admin, tmp_path / "never")
     assert res.exit_code == 1 and "cannot list keys" in res.output
+    assert not (tmp_path / "never").exists()               # a refused run creates nothing
     res = convert(f"mooncake://127.0.0.1:{master.rpc_port}?color=red", tmp_path / "never")
     assert res.exit_code == 2 and "unknown parameters" in res.output
     fleet.close()

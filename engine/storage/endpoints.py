@@ -5,8 +5,8 @@ of unknown size, and — for a source — touch nothing (the file store's reader
 a source is read here with plain ``open``/``read`` instead).
 
 * ``DIR``: a file store (``store.json`` marker). As a source it must exist; as a destination it
-  is created when missing and written through :class:`FileBackend` (atomic renames, shared usage
-  accounting).
+  is created on the first write (a run refused while planning creates nothing) and written
+  through :class:`FileBackend` (atomic renames, shared usage accounting).
 * ``mooncake://HOST:PORT[?metadata=URL&admin=PORT&segment=SIZE]``: the master's RPC address; the
   HTTP metadata server (default ``http://HOST:8080/metadata``); the master's HTTP port, which
   lists keys (``/get_all_keys``, default 9003); the memory this client contributes (default 0:
@@ -46,11 +46,8 @@ class FileEndpoint:
                 "is not a hicache file store (no store.json)"
             raise InputError(f"source store {root} {what}")
         self._objdir = os.path.join(self.root, "objects")
-        self._backend = None
-        if create:
-            from engine.storage.backends.file import FileBackend
-
-            self._backend = FileBackend(FileStoreConfig(dir=self.root))
+        self._create = create
+        self._backend = None      # created on the first write: a refused run creates nothing
 
     def list_keys(self) -> list[str]:
         out = []
@@ -119,7 +116,11 @@ class FileEndpoint:
         return [os.path.exists(self._path(k)) for k in keys]
 
     def put(self, keys: Sequence[str], parts: Sequence[Sequence[Buffer]]) -> list[bool]:
-        assert self._backend is not None, "a source endpoint is never written"
+        assert self._create, "a source endpoint is never written"
+        if self._backend is None:
+            from engine.storage.backends.file import FileBackend
+
+            self._backend = FileBackend(FileStoreConfig(dir=self.root))
         return self._backend.put(keys, parts)
 
     def free_bytes(self) -> int | None:
@@ -223,7 +224,7 @@ def same_store(a: str, b: str) -> bool:
 
 def open_endpoint(spec: str, *, source: bool, dry_run: bool = False) -> Endpoint:
     """``DIR`` or ``mooncake://…`` (see the module docstring). A source must exist; a
-    destination directory is created unless ``dry_run``."""
+    destination directory is created on the first write (never with ``dry_run``)."""
     if "://" in spec:
         return MooncakeEndpoint(spec)
     if not source and os.path.exists(spec) and not os.path.isdir(spec):
