@@ -101,6 +101,9 @@ class RequestRecord:
     server_e2e_latency: float = math.nan
     spec_verify_steps: int = 0
     """Speculative decoding: target verify passes that produced this request's tokens."""
+    pd_transfer: dict | None = None
+    """P/D disaggregation (``meta_info.pd_transfer``): the decode worker's own tiers and what
+    crossed the link, in tokens and bytes."""
     output_ids: list[int] | None = dataclasses.field(default=None, repr=False)
 
     @property
@@ -167,6 +170,10 @@ def _inum(v: Any) -> int:
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0
 
 
+PD_FIELDS = ("decode_device", "decode_host", "decode_storage", "transferred", "bytes",
+             "redundant_bytes")
+
+
 def _fill(rec: RequestRecord, body: dict, output_ids: list[int]) -> None:
     meta = body.get("meta_info")
     if not isinstance(meta, dict):
@@ -180,6 +187,9 @@ def _fill(rec: RequestRecord, body: dict, output_ids: list[int]) -> None:
         rec.cached_host = _inum(det.get("host"))
         rec.cached_storage = _inum(det.get("storage"))
     rec.spec_verify_steps = _inum(meta.get("spec_verify_steps"))
+    pd = meta.get("pd_transfer")
+    if isinstance(pd, dict):
+        rec.pd_transfer = {k: _inum(pd.get(k)) for k in PD_FIELDS}
     rec.queue_time = _fnum(meta.get("queue_time"))
     rec.server_e2e_latency = _fnum(meta.get("e2e_latency"))
     ttft = _fnum(meta.get("ttft"))
@@ -378,5 +388,11 @@ def run_load(workload: Workload, cfg: LoadConfig,
 
 def records_as_columns(records: Sequence[RequestRecord]) -> dict[str, list]:
     """Column-wise view (one entry per request) for parquet/JSON output; drops output ids."""
-    fields = [f.name for f in dataclasses.fields(RequestRecord) if f.name != "output_ids"]
-    return {name: [getattr(r, name) for r in records] for name in fields}
+    fields = [f.name for f in dataclasses.fields(RequestRecord)
+              if f.name not in ("output_ids", "pd_transfer")]
+    cols = {name: [getattr(r, name) for r in records] for name in fields}
+    if any(r.pd_transfer is not None for r in records):    # flat: pd_transferred, pd_bytes…
+        for k in PD_FIELDS:
+            cols[f"pd_{k}"] = [None if r.pd_transfer is None else r.pd_transfer[k]
+                               for r in records]
+    return cols

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.loadgen.driver import LoadResult, RequestRecord
+from engine.loadgen.driver import PD_FIELDS, LoadResult, RequestRecord
 
 PERCENTILES = (50, 90, 99)
 TIERS = ("device", "host", "storage")
@@ -26,6 +26,15 @@ def latency_stats(values: Sequence[float]) -> dict[str, float | None]:
         return {**{f"p{p}": None for p in PERCENTILES}, "mean": None}
     pct = np.percentile(arr, PERCENTILES)
     return {**{f"p{p}": float(v) for p, v in zip(PERCENTILES, pct)}, "mean": float(arr.mean())}
+
+
+def pd_summary(ok: Sequence[RequestRecord]) -> dict | None:
+    """Sums of ``meta_info.pd_transfer`` (tokens, bytes; ``redundant_bytes`` is the
+    missing-only audit: 0), or None when the server is not disaggregated."""
+    pd = [r.pd_transfer for r in ok if r.pd_transfer is not None]
+    if not pd:
+        return None
+    return {"requests": len(pd), **{k: sum(x[k] for x in pd) for k in PD_FIELDS}}
 
 
 def summarize(records: Sequence[RequestRecord], wall_s: float, *, workload: str = "",
@@ -59,6 +68,7 @@ def summarize(records: Sequence[RequestRecord], wall_s: float, *, workload: str 
         # speculative decoding: output tokens per target forward (1.0 without speculation)
         "tokens_per_target_step": (sum(r.completion_tokens - 1 for r in spec) / spec_steps
                                    if spec_steps else None),
+        "pd_transfer": pd_summary(ok),
         "throughput": {
             "requests_per_s": len(ok) / wall,
             "input_tokens_per_s": prompt / wall,

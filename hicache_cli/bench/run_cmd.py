@@ -147,6 +147,13 @@ def report_rows(rep: dict) -> list[tuple[str, str]]:
     ]
     if rep.get("tokens_per_target_step") is not None:     # speculative decoding on the server
         rows.append(("tokens / target step", f"{rep['tokens_per_target_step']:.2f}"))
+    pd = rep.get("pd_transfer")
+    if pd is not None:                     # P/D disaggregated server: the link's audit
+        rows += [("P/D prompt tokens decode-reused",
+                  f"{pd['decode_device'] + pd['decode_host'] + pd['decode_storage']}"),
+                 ("P/D tokens transferred", f"{pd['transferred']}"),
+                 ("P/D bytes on the link", f"{pd['bytes'] / 2**20:.2f} MiB"),
+                 ("P/D redundant bytes", f"{pd['redundant_bytes']}")]
     return rows
 
 
