@@ -48,6 +48,8 @@ def check_options(cfg: ServerConfig) -> None:
     if cfg.speculative_num_draft_tokens:
         raise ValueError("--disaggregation does not combine with speculative decoding yet "
                          "(the link carries the target's KV only)")
+    if cfg.pp > 1:
+        raise ValueError("--disaggregation does not combine with --pp yet")
     t = cfg.pd_transfer_timeout
     if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
         raise ValueError(f"--pd-transfer-timeout must be a finite number > 0, got {t}")
