@@ -105,14 +105,15 @@ class _ByteStream:
 
 class HFTokenizer:
     """A ``tokenizer.json`` through the optional ``tokenizers`` package (a checkpoint's own, or
-    one built from GGUF metadata)."""
+    one built from GGUF metadata: ``json_body``). ``bos_id`` is what ``encode`` puts first
+    (None: nothing)."""
 
     def __init__(self, path: str, vocab_size: int, bos_id: int | None, eos_id: int | None,
                  chat_template: str | None = None,
-                 special_tokens: dict[str, str] | None = None):
+                 special_tokens: dict[str, str] | None = None, *, json_body: str | None = None):
         from tokenizers import Tokenizer as _Tok  # optional dependency
 
-        self._tok = _Tok.from_file(path)
+        self._tok = _Tok.from_str(json_body) if json_body is not None else _Tok.from_file(path)
         self.vocab_size = vocab_size
         self.bos_id = bos_id
         self.eos_id = eos_id
@@ -172,6 +173,16 @@ def _token_str(v: object) -> str | None:
     if isinstance(v, dict) and isinstance(v.get("content"), str):
         return v["content"]
     return None
+
+
+def gguf_tokenizer(spec: object, vocab_size: int) -> "HFTokenizer":
+    """The tokenizer a GGUF file describes (a :class:`GGUFTokenizerSpec`)."""
+    try:
+        return HFTokenizer("", vocab_size, spec.bos_id if spec.add_bos else None,  # type: ignore[attr-defined]
+                           spec.eos_id, spec.chat_template, spec.special_tokens,  # type: ignore[attr-defined]
+                           json_body=spec.json)  # type: ignore[attr-defined]
+    except ImportError:
+        raise ImportError("a GGUF model's tokenizer needs the `tokenizers` package") from None
 
 
 def load_tokenizer(model_dir: str | None, vocab_size: int, bos_id: int | None = None,

@@ -98,8 +98,14 @@ def tokenizer_for_model(spec: str) -> tuple[Tokenizer, str, int]:
     """``(tokenizer, model name, context length)`` of a preset name or checkpoint directory,
     without loading weights. :class:`ValueError` when the model has no usable tokenizer."""
     from engine.runtime.model import from_hf_config, preset
-    from engine.runtime.tokenizer import load_tokenizer
+    from engine.runtime.model.gguf_loader import gguf_config, gguf_tokenizer_spec, open_gguf, resolve_gguf
+    from engine.runtime.tokenizer import gguf_tokenizer, load_tokenizer
 
+    path = resolve_gguf(spec)
+    if path is not None:
+        r = open_gguf(path)
+        mc = gguf_config(r, spec)
+        return gguf_tokenizer(gguf_tokenizer_spec(r), mc.vocab_size), mc.name, mc.max_context
     if os.path.isdir(spec):
         mc = from_hf_config(spec)
         tok = load_tokenizer(spec, mc.vocab_size, mc.bos_id, mc.eos_ids[0] if mc.eos_ids

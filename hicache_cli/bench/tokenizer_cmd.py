@@ -14,8 +14,9 @@ def register(bench_app: typer.Typer) -> None:
     @handle_errors
     def export_tokenizer_cmd(
         directory: Path = typer.Argument(..., help="Directory to write (created if needed)."),
-        model: str = typer.Option("tiny", "--model", help="Preset name or checkpoint "
-                                  "directory, as for `bench serve --model`."),
+        model: str = typer.Option("tiny", "--model", help="Preset name, smollm2-135m, a "
+                                  "*.gguf file or a checkpoint directory, as for `bench serve "
+                                  "--model`."),
         fmt: OutputFormat = typer.Option(OutputFormat.human, "--format"),
     ) -> None:
         """Write tokenizer.json, tokenizer_config.json (with the chat template) and

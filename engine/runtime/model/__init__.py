@@ -19,10 +19,16 @@ __all__ = ["AttentionKind", "Chunk", "LayerHook", "Model", "ModelConfig", "PRESE
 
 def load_model(spec: str | ModelConfig = "tiny", device: str = "cpu", *, seed: int | None = None,
                exact: bool | None = None, dtype: str | None = None) -> Model:
-    """A ready model: a preset name, a :class:`ModelConfig`, or a local checkpoint directory."""
+    """A ready model: a preset name, a :class:`ModelConfig`, a local checkpoint directory, or a
+    GGUF model (``smollm2-135m`` or a ``*.gguf`` path; engine.runtime.model.gguf_loader)."""
+    from engine.runtime.model.gguf_loader import load_gguf, resolve_gguf
+
+    gguf_path = resolve_gguf(spec)
     if isinstance(spec, ModelConfig):
         cfg = spec
         weights = random_weights(cfg, seed)
+    elif gguf_path is not None:
+        cfg, weights, _ = load_gguf(gguf_path)
     elif os.path.isdir(spec):
         cfg = from_hf_config(spec, dtype)
         weights = load_hf(spec, cfg)

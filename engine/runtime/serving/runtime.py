@@ -17,7 +17,7 @@ from engine.cache.pool import HostLayout
 from engine.core.device import resolve_device
 from engine.runtime.model import Model, load_model
 from engine.runtime.scheduler import Scheduler, SchedulerConfig
-from engine.runtime.tokenizer import Tokenizer, load_tokenizer
+from engine.runtime.tokenizer import Tokenizer, gguf_tokenizer, load_tokenizer
 
 log = logging.getLogger("hicache.server")
 
@@ -214,8 +214,7 @@ class Engine:
             self.model = stage_model(self.model, stage, cfg.pp)
         mc = self.model.cfg
         model_dir = cfg.model if os.path.isdir(cfg.model) else None
-        self.tokenizer: Tokenizer | None = load_tokenizer(
-            model_dir, mc.vocab_size, mc.bos_id, mc.eos_ids[0] if mc.eos_ids else None)
+        self.tokenizer: Tokenizer | None = model_tokenizer(cfg.model, mc)
         spec = cfg.spec_config()
         self.draft = None
         sidecar = None
@@ -457,8 +456,24 @@ class Engine:
                     "kv_bytes_per_token": self.kv_bytes_per_token}}
 
 
+def model_tokenizer(spec: str, mc: Any) -> Tokenizer | None:
+    """The tokenizer of a preset (bytes), a checkpoint directory or a GGUF model."""
+    from engine.runtime.model.gguf_loader import gguf_tokenizer_spec, open_gguf, resolve_gguf
+
+    path = resolve_gguf(spec)
+    if path is not None:
+        return gguf_tokenizer(gguf_tokenizer_spec(open_gguf(path)), mc.vocab_size)
+    return load_tokenizer(spec if os.path.isdir(spec) else None, mc.vocab_size, mc.bos_id,
+                          mc.eos_ids[0] if mc.eos_ids else None)
+
+
 def model_tag(spec: str, mc: Any) -> str:
     """What L3 keys carry so that different models (or seeds) never share stored KV."""
+    from engine.runtime.model.gguf_loader import file_digest, resolve_gguf
+
+    gguf = resolve_gguf(spec)
+    if gguf is not None:
+        return f"{mc.name}/gguf-{file_digest(gguf)}"
     if os.path.isdir(spec):
         import hashlib
 
