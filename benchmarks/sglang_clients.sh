@@ -60,8 +60,8 @@ bs() {  # bench_serving NAME ARGS...
   local name=$1; shift
   echo "== bench_serving $name"
   curl -sf -X POST "$BASE/flush_cache" >/dev/null   # each run starts from an empty cache
-  "$SPY" -m sglang.bench_serving --host 127.0.0.1 --port "$PORT" --disable-tqdm "$@" \
-    >"$OUT/$name.log" 2>&1
+  "$SPY" -m sglang.bench_serving --host 127.0.0.1 --port "$PORT" --disable-tqdm \
+    --output-file "$OUT/$name.jsonl" "$@" >"$OUT/$name.log" 2>&1
   echo "   exit $?"; summary "$OUT/$name.log"
 }
 
