@@ -352,3 +352,28 @@ def test_penalties_change_greedy_output_and_count_only_the_output(server):
 def test_weight_version_and_matched_stop_on_eos(server):
     r = post(server, "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2}})
     assert r.json()["meta_info"]["weight_version"] == "default"
+
+
+def test_openai_client_options_penalties_stop_and_seeded_n(server, client):
+    msgs = [{"role": "user", "content": "repeat after me: ab ab ab ab ab"}]
+    base = dict(model="tiny", messages=msgs, max_tokens=24, temperature=0,
+                extra_body={"ignore_eos": True})
+    plain = client.chat.completions.create(**base).choices[0].message.content
+    pen = client.chat.completions.create(presence_penalty=2.0, frequency_penalty=2.0,
+                                         **base).choices[0].message.content
+    assert isinstance(pen, str)
+    at = next((i for i in range(1, len(plain) - 1)
+               if all(" " <= ch <= "~" for ch in plain[i:i + 2])), None)
+    if at is not None:          # (random weights: the output has printable pairs in practice)
+        stop = plain[at:at + 2]
+        r = client.chat.completions.create(stop=[stop], **base)
+        assert r.choices[0].finish_reason == "stop"
+        assert r.choices[0].message.content == plain[:plain.index(stop)]
+    a = client.completions.create(model="tiny", prompt="seeded", n=2, max_tokens=6,
+                                  temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+    b = client.completions.create(model="tiny", prompt="seeded", n=2, max_tokens=6,
+                                  temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]   # reproducible
+    # a model id that is not served still answers (SGLang ignores it too); /v1/models/{id}
+    # is where the id is checked
+    assert client.models.retrieve("tiny").id == "tiny"
