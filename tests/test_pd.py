@@ -91,3 +91,26 @@ def test_second_turn_sends_only_the_new_pages(pd):
     assert out2 == reference(second)
     assert pd.pd.totals["redundant_bytes"] == 0
     assert_healthy(pd.cache, idle=True)
+
+
+def test_decode_restores_from_its_own_storage_before_asking(tmp_path):
+    """Decode's third tier: a prefix only in the decode worker's L3 store is fetched from there
+    (``decode_storage``); only the new turn crosses the link."""
+    eng = PDEngine(pd_config(hicache_storage_backend="file", hicache_storage_dir=str(tmp_path),
+                             hicache_storage_prefetch_policy="wait_complete"))
+    try:
+        first = toks(320, 51)
+        local(eng, first)
+        eng.cache.flush()                  # L1 and L2 dropped; the pages stay in the store
+        assert eng.cache.stats()["l2_used_tokens"] == 0
+        prompt = first + toks(64, 52)
+        out, meta = eng.scheduler.generate(prompt, GREEDY)
+        t = meta["pd_transfer"]
+        assert (t["decode_device"], t["decode_host"], t["decode_storage"]) == (0, 0, 320)
+        assert t["transferred"] == len(prompt) - 1 - 320
+        assert t["redundant_bytes"] == 0
+        assert out == reference(prompt)
+        eng.cache.wait_all()
+        assert_healthy(eng.cache, idle=True)
+    finally:
+        eng.stop()
