@@ -156,3 +156,23 @@ def test_cli_usage_errors():
     r = CliRunner().invoke(app, ["bench", "serve", "--disaggregation", "pd",
                                  "--pd-decode-reuse", "maybe"])
     assert r.exit_code == 2 and "--pd-decode-reuse" in r.output
+
+
+def test_concurrent_requests_match_the_plain_engine():
+    """Several prompts in flight at once (transfers interleaved with other requests' decode
+    steps, shared prefixes hit on decode): every output equals the non-disaggregated one."""
+    import concurrent.futures
+
+    base = toks(150, 61)
+    prompts = [base + toks(40 + 17 * i, 62 + i) for i in range(5)] + [toks(90, 70)]
+    with start(max_running_requests=8) as h:
+        generate(h, base)                                  # a shared prefix on the decode L1
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            resps = list(pool.map(lambda p: generate(h, p), prompts))
+        assert [r.status_code for r in resps] == [200] * len(prompts)
+        metas = [r.json()["meta_info"]["pd_transfer"] for r in resps]
+        assert all(m["decode_device"] >= 144 for m in metas[:5])
+        assert all(m["redundant_bytes"] == 0 for m in metas)
+        assert clean(h) == []
+    for p, r in zip(prompts, resps):
+        assert r.json()["output_ids"] == reference(p)
