@@ -61,10 +61,10 @@ def test_same_seed_same_answers_and_stream(server):
 
 def test_duration_stops_issuing(server):
     w = multiturn(num_clients=5000, num_rounds=1, request_length=16, output_length=1)
-    res = run_load(w, LoadConfig(server.url, concurrency=2, duration=1.0))
+    res = run_load(w, LoadConfig(server.url, concurrency=2, duration=2.0))
     assert res.stopped_by == "duration"
-    assert 0 < len(res.records) < 5000 and res.wall_s < 10
-    assert all(r.start < 1.0 for r in res.records)
+    assert 0 < len(res.records) < 5000 and res.wall_s < 30
+    assert all(r.start < 2.0 for r in res.records)
 
 
 def test_trace_replay_and_bad_requests(server, tmp_path):
