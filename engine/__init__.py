@@ -17,8 +17,7 @@ storage backend.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from engine.core.lazy import lazy_exports
 
 _EXPORTS = {
     "HiCache": "engine.cache.facade",
@@ -36,11 +35,4 @@ _EXPORTS = {
     "StorageError": "engine.core.errors",
     "L3Store": "engine.storage.l3store",
 }
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    mod = _EXPORTS.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'engine' has no attribute {name!r}")
-    return getattr(importlib.import_module(mod), name)
+__getattr__, __all__ = lazy_exports("engine", _EXPORTS)

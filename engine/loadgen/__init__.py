@@ -10,8 +10,7 @@ The names below are imported on first use: reading a trace does not load the HTT
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from engine.core.lazy import lazy_exports
 
 _EXPORTS = {
     "LoadConfig": "engine.loadgen.driver",
@@ -27,11 +26,4 @@ _EXPORTS = {
     "agentic": "engine.loadgen.workloads",
     "multiturn": "engine.loadgen.workloads",
 }
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    mod = _EXPORTS.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'engine.loadgen' has no attribute {name!r}")
-    return getattr(importlib.import_module(mod), name)
+__getattr__, __all__ = lazy_exports("engine.loadgen", _EXPORTS)

@@ -7,8 +7,7 @@ torch nor any backend's native library (worker processes of the file store start
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from engine.core.lazy import lazy_exports
 
 _EXPORTS = {
     "GetStatus": "engine.storage.backend",
@@ -27,11 +26,4 @@ _EXPORTS = {
     "object_key": "engine.storage.keys",
     "L3Store": "engine.storage.l3store",
 }
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    mod = _EXPORTS.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'engine.storage' has no attribute {name!r}")
-    return getattr(importlib.import_module(mod), name)
+__getattr__, __all__ = lazy_exports("engine.storage", _EXPORTS)
