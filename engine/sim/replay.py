@@ -103,25 +103,43 @@ class ReplayInput:
             yield tok[st[i]:st[i + 1]]
 
     def future(self, page_size: int) -> tuple:
-        """For each page (named by its last token): the sorted requests that hold it, as
-        ``(index, starts, reqs)``: page ``t``'s requests are ``reqs[starts[g]:starts[g + 1]]``
-        for ``g = index[t]``. Built with array operations, kept per page size."""
+        """For each page (named by its last token): the sorted requests that hold it
+        (:func:`_future_index`). Built with array operations, kept per page size."""
         if page_size not in self._futures:
             self._futures[page_size] = _future_index(self, page_size)
         return self._futures[page_size]
 
 
+_MAX_SLOTS = 1 << 24      # a dense page index up to this many slots; a dict beyond
+
+
 def _future_index(inp: ReplayInput, p: int) -> tuple:
+    """``(slots, starts, reqs)``: page ``t``'s requests are ``reqs[starts[s]:starts[s + 1]]``
+    for ``s = slots(t)``. When the page size divides a block, a page-end token ``b*512 + o``
+    has a slot by arithmetic (block ``b``, page ``o // p`` of it): lists, no hashing. Otherwise
+    ``slots`` is a dict from token to slot (``per`` = 0)."""
     tok, starts = inp.page_ends(p)
     req = np.repeat(np.arange(len(inp), dtype=np.int64), np.diff(starts))
-    order = np.argsort(tok, kind="stable")                  # by token, requests stay sorted
-    tok, req = tok[order], req[order]
-    keep = np.ones(len(tok), dtype=bool)
-    keep[1:] = (tok[1:] != tok[:-1]) | (req[1:] != req[:-1])
-    tok, req = tok[keep], req[keep]
-    head = np.flatnonzero(np.r_[True, tok[1:] != tok[:-1]]) if len(tok) else np.empty(0, int)
-    index = dict(zip(tok[head].tolist(), range(len(head))))
-    return index, head.tolist() + [len(tok)], req.tolist()
+    per = TRACE_BLOCK // p if TRACE_BLOCK % p == 0 else 0
+    n_blocks = int(inp.bases.max()) // TRACE_BLOCK + 1 if len(inp.bases) else 0
+    if per and n_blocks * per <= _MAX_SLOTS:
+        t = tok.astype(np.int64)
+        key = (t // TRACE_BLOCK) * per + (t % TRACE_BLOCK) // p
+    else:
+        per = 0
+        key = tok.astype(np.int64)
+    order = np.argsort(key, kind="stable")                  # by page, requests stay sorted
+    key, req = key[order], req[order]
+    keep = np.ones(len(key), dtype=bool)
+    keep[1:] = (key[1:] != key[:-1]) | (req[1:] != req[:-1])
+    key, req = key[keep], req[keep]
+    if per:
+        bounds = np.zeros(n_blocks * per + 1, dtype=np.int64)
+        np.cumsum(np.bincount(key, minlength=n_blocks * per), out=bounds[1:])
+        return per, bounds.tolist(), req.tolist()
+    head = np.flatnonzero(np.r_[True, key[1:] != key[:-1]]) if len(key) else np.empty(0, int)
+    return dict(zip(key[head].tolist(), range(len(head)))), head.tolist() + [len(key)], \
+        req.tolist()
 
 
 @dataclasses.dataclass
@@ -183,16 +201,27 @@ def _opt_policy(inp: ReplayInput, page_size: int, clock: list[int], name_at: int
     """Belady over the trace's future: a page is named by its last token, which — with the
     trace's prefix-hash block ids — identifies the whole prefix up to that page. A node is
     named by its first page, whose last token is ``node.tokens[name_at]``."""
-    index, starts, reqs = inp.future(page_size)
-    get = index.get
+    slots, starts, reqs = inp.future(page_size)
+    right = bisect.bisect_right
+    if isinstance(slots, int):                              # dense: a slot by arithmetic
+        per, p, blk = slots, page_size, TRACE_BLOCK
 
-    def next_use(node) -> int | None:
-        g = get(int(node.tokens[name_at]))
-        if g is None:
-            return None
-        hi = starts[g + 1]
-        i = bisect.bisect_right(reqs, clock[0], starts[g], hi)
-        return reqs[i] if i < hi else None
+        def next_use(node) -> int | None:
+            t = int(node.tokens[name_at])
+            s = t // blk * per + t % blk // p
+            hi = starts[s + 1]
+            i = right(reqs, clock[0], starts[s], hi)
+            return reqs[i] if i < hi else None
+    else:
+        get = slots.get
+
+        def next_use(node) -> int | None:
+            s = get(int(node.tokens[name_at]))
+            if s is None:
+                return None
+            hi = starts[s + 1]
+            i = right(reqs, clock[0], starts[s], hi)
+            return reqs[i] if i < hi else None
 
     return Belady(next_use)
 
