@@ -9,7 +9,7 @@ each data-parallel group event by event and explains every divergence found. The
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from rich import box
@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.padding import Padding
 from rich.table import Table
 
+from hicache_cli.options import Format
 from hicache_cli.output import EXIT_CHECK, OutputFormat, emit_json, handle_errors, stderr, stdout
 
 
@@ -121,35 +122,36 @@ def render_human(report: Any, max_divergences: int) -> None:
                      f"was checked to the end")
 
 
+Logs = Annotated[list[Path], typer.Argument(help="Rank log files (*.ranklog msgpack, *.jsonl "
+                                                 "JSON Lines) and/or directories holding them.")]
+MaxDivergences = Annotated[int, typer.Option("--max-divergences", min=1,
+                                             help="Stop after this many divergences.")]
+Context = Annotated[int, typer.Option("--context", min=0, help="Events of context shown before "
+                                      "and after each divergence, per rank.")]
+
+
+def consensus_check_cmd(logs: Logs, fmt: Format = OutputFormat.human,
+                        max_divergences: MaxDivergences = 10, context: Context = 3) -> None:
+    """Check that all ranks of each replica made the same cache decisions.
+
+    Ranks with the same dp_rank must record identical events (by seq, ignoring local_*
+    fields). Reports each divergence: category, step, seq, minority ranks, the differing
+    fields and context. Exit 0 consistent, 3 divergence found, 1 unreadable input.
+
+    Example: hicache consensus-check rank-logs/ --format json
+    """
+    from checkers.consensus import check_consensus
+
+    report = check_consensus(logs, max_divergences=max_divergences, context=context)
+    for note in report.notes:
+        stderr.print(f"note: {note}", markup=False, highlight=False)
+    if fmt is OutputFormat.json:
+        emit_json(report.to_json())
+    else:
+        render_human(report, max_divergences)
+    if not report.consistent:
+        raise typer.Exit(EXIT_CHECK)
+
+
 def register(app: typer.Typer) -> None:
-    @app.command("consensus-check")
-    @handle_errors
-    def consensus_check_cmd(
-        logs: list[Path] = typer.Argument(..., help="Rank log files (*.ranklog msgpack, *.jsonl "
-                                          "JSON Lines) and/or directories holding them."),
-        fmt: OutputFormat = typer.Option(OutputFormat.human, "--format", help="human or json."),
-        max_divergences: int = typer.Option(10, "--max-divergences", min=1,
-                                            help="Stop after this many divergences."),
-        context: int = typer.Option(3, "--context", min=0,
-                                    help="Events of context shown before and after each "
-                                         "divergence, per rank."),
-    ) -> None:
-        """Check that all ranks of each replica made the same cache decisions.
-
-        Ranks with the same dp_rank must record identical events (by seq, ignoring local_*
-        fields). Reports each divergence: category, step, seq, minority ranks, the differing
-        fields and context. Exit 0 consistent, 3 divergence found, 1 unreadable input.
-
-        Example: hicache consensus-check rank-logs/ --format json
-        """
-        from checkers.consensus import check_consensus
-
-        report = check_consensus(logs, max_divergences=max_divergences, context=context)
-        for note in report.notes:
-            stderr.print(f"note: {note}", markup=False, highlight=False)
-        if fmt is OutputFormat.json:
-            emit_json(report.to_json())
-        else:
-            render_human(report, max_divergences)
-        if not report.consistent:
-            raise typer.Exit(EXIT_CHECK)
+    app.command("consensus-check")(handle_errors(consensus_check_cmd))

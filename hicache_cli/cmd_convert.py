@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import typer
 
+from hicache_cli.options import usage
 from hicache_cli.output import (
     EXIT_ERROR,
     OutputFormat,
@@ -91,15 +92,18 @@ def convert(src_spec: str, dst_spec: str, to: str, from_: Optional[str], verify:
     from engine.storage.endpoints import open_endpoint, same_store
     from engine.storage.placement import Placement
 
-    limit = parse_size(max_bytes) if max_bytes is not None else None
-    for spec in (to, from_):        # usage errors before any store is opened
-        if spec is not None:
-            Placement.parse_target(spec)
+    with usage():                   # usage errors before any store is opened
+        limit = parse_size(max_bytes) if max_bytes is not None else None
+        for spec in (to, from_):
+            if spec is not None:
+                Placement.parse_target(spec)
     if same_store(src_spec, dst_spec):
         raise InputError("source and destination are the same store")
-    src = open_endpoint(src_spec, source=True)
+    with usage():                   # a malformed store address
+        src = open_endpoint(src_spec, source=True)
     try:
-        dst = open_endpoint(dst_spec, source=False, dry_run=dry_run)
+        with usage():
+            dst = open_endpoint(dst_spec, source=False, dry_run=dry_run)
         try:
             plan = make_plan(src, dst, to, from_, limit)
             if dry_run:

@@ -1,12 +1,96 @@
-"""What every command's options share: how flags read in ``--help``.
+"""Options several commands share, declared once, and how option values are read.
 
-Typer's rich help prints a value type beside every option, so an on/off flag reads
-``--sweep <bool>`` as if it took a value. A flag takes none: its type column stays empty.
+Each alias is an ``Annotated`` type a command uses as ``page_size: PageSize = 64``: the flag, its
+range and its help live here, the default with the command. Choices are the engine's own enums
+(``WritePolicy``, ``PolicyName``), so a new value appears in every command without a copy.
+Range checks are typer's (exit 2 with the flag named); what typer cannot check is a
+:class:`~engine.core.errors.UsageError` (exit 2), raised here or by :func:`usage`.
+
+Also: typer's rich help prints a value type beside every option, so an on/off flag read
+``--sweep <bool>`` as if it took a value; a flag's type column is left empty.
 """
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
+from typing import Annotated, Iterator, Optional
+
+import typer
 import typer.core
+
+from engine.cache.policy import PolicyName, policy_names
+from engine.cache.types import WritePolicy
+from engine.core.errors import UsageError
+from hicache_cli.output import OutputFormat
+
+Format = Annotated[OutputFormat, typer.Option("--format", help="human or json.")]
+PageSize = Annotated[int, typer.Option("--page-size", min=1, help="Tokens per KV page.")]
+L1Tokens = Annotated[int, typer.Option("--l1-tokens", min=1,
+                                       help="L1 (device) KV capacity in tokens.")]
+L2Tokens = Annotated[int, typer.Option("--l2-tokens", min=0,
+                                       help="L2 (host) KV capacity in tokens; 0 = no L2.")]
+L3Tokens = Annotated[int, typer.Option("--l3-tokens", min=-1,
+                                       help="L3 (storage) capacity in tokens; 0 = no L3, -1 = "
+                                            "unbounded. Needs --l2-tokens > 0.")]
+Policy = Annotated[PolicyName, typer.Option("--policy", help="Eviction policy (opt: Belady's "
+                                                             "offline bound, replay only).")]
+WritePolicyOpt = Annotated[WritePolicy, typer.Option("--write-policy",
+                                                     help="When L1 pages are copied to L2.")]
+Limit = Annotated[Optional[int], typer.Option("--limit", min=1,
+                                              help="Only the first N requests of the trace.")]
+RankLogDir = Annotated[Optional[Path], typer.Option(
+    "--rank-log-dir", help="Write this rank's log of cache decisions there (for `hicache "
+                           "consensus-check`).")]
+InjectDivergence = Annotated[Optional[str], typer.Option(
+    "--inject-divergence", help="Debug: break this rank's recorded decisions, e.g. "
+    "'hit_length@rank=1,step=30' (kinds: hit_length, restore_completion, lock_order, "
+    "eviction_eligibility, pp_ack, missing_events).")]
+Progress = Annotated[bool, typer.Option("--progress", help="Progress bar even with --format "
+                                                           "json.")]
+
+
+@contextlib.contextmanager
+def usage(flag: str = "") -> Iterator[None]:
+    """Around code that checks values straight from the command line (a config built from the
+    options): its ``ValueError`` is a usage error (exit 2), not an internal one."""
+    try:
+        yield
+    except ValueError as exc:
+        raise UsageError(f"{flag}: {exc}" if flag else str(exc)) from None
+
+
+def token_counts(flag: str, text: str) -> list[int]:
+    """``'640k,1.28m,2g'`` → token counts (k, m, g are 10**3, 10**6, 10**9), each >= 1."""
+    out = []
+    for part in text.split(","):
+        word = part.strip().lower().replace("_", "")
+        mult = 1
+        for suffix, m in (("k", 1_000), ("m", 1_000_000), ("g", 1_000_000_000)):
+            if word.endswith(suffix):
+                word, mult = word[:-1], m
+        try:
+            val = int(float(word) * mult)
+        except (ValueError, OverflowError):
+            raise UsageError(f"{flag}: {word!r} is not a token count") from None
+        if val < 1:
+            raise UsageError(f"{flag}: capacities must be >= 1, got {val}")
+        out.append(val)
+    return out
+
+
+def policy_list(flag: str, text: str) -> list[str]:
+    """``'lru,opt'`` → registered eviction-policy names, in order, without repeats."""
+    known = policy_names(include_offline=True)
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    if not names:
+        raise UsageError(f"{flag}: name at least one policy")
+    bad = [p for p in names if p not in known]
+    if bad:
+        raise UsageError(f"{flag}: {bad[0]!r} is not an eviction policy; choose from "
+                         f"{', '.join(known)}")
+    return list(dict.fromkeys(names))
+
 
 _display_type_rich = typer.core.TyperOption.display_type_rich
 

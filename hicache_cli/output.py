@@ -15,7 +15,7 @@ from typing import Any, Callable, NoReturn
 import typer
 from rich.console import Console
 
-from engine.core.errors import CheckFailed, HiCacheError, InputError
+from engine.core.errors import CheckFailed, HiCacheError, InputError, UsageError
 from formats.errors import FormatError
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_CHECK = 0, 1, 2, 3
@@ -53,8 +53,11 @@ def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
 
 
 # exception type -> exit code; first match wins (most specific first)
+# A ValueError is not in the table: code raises it for misuse by code, so one that reaches a
+# command is a bug (one line, exit 1). What the user got wrong is a UsageError (exit 2).
 ERROR_TABLE: list[tuple[type[BaseException], int]] = [
     (CheckFailed, EXIT_CHECK),
+    (UsageError, EXIT_USAGE),
     (InputError, EXIT_ERROR),
     (FormatError, EXIT_ERROR),
     (HiCacheError, EXIT_ERROR),
@@ -62,7 +65,6 @@ ERROR_TABLE: list[tuple[type[BaseException], int]] = [
     (IsADirectoryError, EXIT_ERROR),
     (PermissionError, EXIT_ERROR),
     (OSError, EXIT_ERROR),
-    (ValueError, EXIT_USAGE),
 ]
 
 
@@ -83,5 +85,7 @@ def handle_errors(fn: Callable) -> Callable:
                         msg = f"{exc.strerror or msg}: {exc.filename}"
                     fail(msg, code)
             raise
+        except ValueError as exc:
+            fail(f"internal error ({type(exc).__name__}): {exc}", EXIT_ERROR)
 
     return wrapper

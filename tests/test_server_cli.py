@@ -68,7 +68,8 @@ def test_serve_human_prints_url_on_stderr_and_stops_on_sigint():
 @pytest.mark.parametrize("args,msg", [
     (["--model", "no-such-model"], "unknown model preset"),
     (["--page-size", "0"], "page-size"),
-    (["--eviction-policy", "fifo"], "unknown eviction policy"),
+    (["--eviction-policy", "fifo"], "fifo"),
+    (["--eviction-policy", "opt"], "unknown eviction policy"),    # registered, but offline
     (["--l1-tokens", "8"], "at least one page"),
     (["--hicache-mem-layout", "diagonal"], "diagonal"),
     (["--device", "tpu"], "tpu"),

@@ -30,3 +30,11 @@ class CorruptObject(StorageError):
 
 class CheckFailed(HiCacheError):
     """A checker found a problem (exit code 3 in the CLI)."""
+
+
+class UsageError(HiCacheError, ValueError):
+    """The caller asked for something that cannot be done as asked: a bad option value or a
+    combination of options (exit code 2 in the CLI). Library code raises it only where its
+    arguments come straight from a user (a configuration checked against this machine, say);
+    misuse by code stays a plain ``ValueError``, which the CLI reports as an internal error.
+    It is a ``ValueError`` too, so callers that catch bad arguments that way still do."""

@@ -130,8 +130,8 @@ def read_columnar(path: str, cap: int, parquet: bool) -> Trace:
 
 
 def write_columnar(trace: Trace, path: str) -> None:
-    """Write ``trace`` as Parquet (zstd) or Arrow IPC, chosen by the suffix of ``path``;
-    written to a temporary file beside it and renamed, so a failure leaves no partial file."""
+    """Write ``trace`` as Parquet (zstd) or Arrow IPC, chosen by the suffix of ``path``, by the
+    output-path rule of :mod:`formats.outpath` (atomic: a failure leaves no partial file)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -147,15 +147,11 @@ def write_columnar(trace: Trace, path: str) -> None:
         "hash_ids": lists.from_arrays(pa.array(trace.offsets.astype(offset_type)),
                                       pa.array(trace.blocks, type=pa.int64())),
     })
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
-                       f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    try:
+    from formats.outpath import atomic_output
+
+    with atomic_output(path) as f:
         if kind == "parquet":
-            pq.write_table(table, tmp, compression="zstd")
+            pq.write_table(table, f, compression="zstd")
         else:
-            with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
+            with pa.ipc.new_file(f, table.schema) as w:
                 w.write_table(table)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)

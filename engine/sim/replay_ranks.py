@@ -124,3 +124,31 @@ def replay_ranks(run: RankRun, timeout_s: float = 600.0) -> list[dict]:
             if p.is_alive():
                 p.kill()
     return sorted(results, key=lambda r: r["rank"])
+
+
+def summarize_ranks(run: RankRun, results: list[dict]) -> dict:
+    """One report of a multi-rank replay. ``consistent`` is None without online consensus
+    (nothing compared the ranks' decisions); a divergence carries ``consensus_error`` and the
+    ``rank_log_dir`` holding the logs. A rank that failed raises ``RuntimeError``."""
+    errors = [r for r in results if "error" in r]
+    if errors:
+        raise RuntimeError(f"rank {errors[0]['rank']} failed: {errors[0]['error']}")
+    diverged = [r for r in results if "consensus_error" in r]
+    every = run.online_every
+    out: dict[str, Any] = {"trace": run.trace, "ranks": run.world_size, "nnodes": run.nnodes,
+                           "node_rank": run.node_rank,
+                           "local_ranks": [r["rank"] for r in results],
+                           "online_consensus": bool(every),
+                           "consistent": not diverged if every else None}
+    if diverged:
+        out["consensus_error"] = diverged[0]["consensus_error"]
+        out["rank_log_dir"] = diverged[0]["log_dir"]
+        return out
+    out["result"] = results[0]["result"]
+    out["online_checks"] = results[0]["online_checks"]
+    out["identical_hit_rates"] = len({r["result"]["token_hit_rate"] for r in results}) == 1
+    if run.rank_log_dir is not None:
+        out["rank_logs"] = [r["rank_log"] for r in results]
+    if run.dump_tree_dir is not None:
+        out["tree_snapshots"] = [r["tree_snapshot"] for r in results]
+    return out

@@ -158,10 +158,12 @@ PRESETS: dict[str, ModelConfig] = {p.name: p for p in [
 
 
 def preset(name: str) -> ModelConfig:
+    from engine.core.errors import UsageError  # a name the user gave (--model)
+
     try:
         return PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)} "
+        raise UsageError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)} "
                          f"or give a local checkpoint directory") from None
 
 

@@ -204,11 +204,8 @@ def file_digest(path: str) -> str:
     return h.hexdigest()[:16]
 
 
-@functools.lru_cache(maxsize=1)
 def load_gguf(path: str, name: str | None = None
               ) -> tuple[ModelConfig, ModelWeights, GGUFTokenizerSpec]:
-    """Config, float32 weights and tokenizer of a GGUF file. The last file's result is kept
-    (weights are read-only: models built from it share them; a second load is free)."""
     r = open_gguf(path)
     if name is None:
         name = SMOLLM2 if os.path.basename(path) == SMOLLM2_FILE else \

@@ -162,16 +162,17 @@ class ServerConfig:
                           debug_skip_draft_restore=self.debug_skip_draft_restore)
 
     def check_memory(self, token_bytes: int, l2_tokens: int, device: str) -> None:
-        """Usage error (``ValueError``) naming the option when the L1 pool (on ``device``) or
+        """:class:`UsageError` naming the option when the L1 pool (on ``device``) or
         the L2 pool (host memory) cannot be allocated here, with what would fit."""
         from engine.core.device import available_memory, bytes_text
+        from engine.core.errors import UsageError
 
         host = available_memory("cpu")
         dev = host if device == "cpu" else available_memory(device)
         l1_bytes, l2_bytes = self.l1_tokens * token_bytes, l2_tokens * token_bytes
         if l1_bytes > dev * MEMORY_SHARE:
             fit = int(dev * MEMORY_SHARE // token_bytes)
-            raise ValueError(f"--l1-tokens {self.l1_tokens:,} needs {bytes_text(l1_bytes)} of "
+            raise UsageError(f"--l1-tokens {self.l1_tokens:,} needs {bytes_text(l1_bytes)} of "
                              f"KV memory on {device}; {bytes_text(dev)} is available: at most "
                              f"about {fit - fit % self.page_size:,} tokens fit")
         room = host * MEMORY_SHARE - (l1_bytes if device == "cpu" else 0)
@@ -179,7 +180,7 @@ class ServerConfig:
             opt = ("--l2-tokens" if self.l2_tokens is not None else "--hicache-size"
                    if self.hicache_size_gb > 0 else "--hicache-ratio")
             fit = max(int(room // token_bytes), 0)
-            raise ValueError(f"{opt}: an L2 of {l2_tokens:,} tokens needs "
+            raise UsageError(f"{opt}: an L2 of {l2_tokens:,} tokens needs "
                              f"{bytes_text(l2_bytes)} of host memory; {bytes_text(host)} is "
                              f"available{' beside L1' if device == 'cpu' else ''}: at most "
                              f"about {fit - fit % self.page_size:,} tokens of L2 fit")
