@@ -3,7 +3,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # pip: quiet, no version nag, no root-user warning (these machines run as root)
-PIP := $(VPY) -m pip -q --disable-pip-version-check --no-warn-script-location
+PIP := $(VPY) -m pip -q --disable-pip-version-check
 export PIP_ROOT_USER_ACTION := ignore
 
 .PHONY: bench test venv sysdeps clean lint
