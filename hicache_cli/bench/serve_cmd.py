@@ -108,9 +108,9 @@ SkipDraft = Annotated[bool, _O("--debug-skip-draft-restore", help="Debug: prefix
                                "from L2/L3 lose their draft KV (shows the acceptance collapse "
                                "that restoring it prevents).")]
 Disaggregation = Annotated[Optional[str], _O(
-    "--disaggregation", help="Prefill-decode disaggregation (docs/pd.md): pd = this process "
-    "serves HTTP and decodes, a prefill worker process computes what the decode cache lacks; "
-    "prefill / decode = one role alone, linked over --pd-addr.")]
+    "--disaggregation", help="Prefill-decode disaggregation (docs/pd.md): pd = an HTTP front "
+    "end, a decode worker process and a prefill worker process that computes what the decode "
+    "cache lacks; prefill / decode = one role alone, linked over --pd-addr.")]
 PdAddr = Annotated[str, _O("--pd-addr", help="HOST:PORT where the prefill worker's link listens "
                            "(prefill: bind there; decode: connect there; pd: 0 = pick a "
                            "port).")]
@@ -167,13 +167,35 @@ def serve_cmd(
     opts = dict(locals())
     _prepare(log_level, disaggregation)
     cfg = _server_config(opts)
-    if disaggregation == "prefill":
-        from engine.runtime.pd.serve import run_prefill
-
-        stderr.print(f"hicache bench serve: prefill worker, link on {pd_addr}")
-        run_prefill(cfg)
+    if disaggregation in ("prefill", "pd"):
+        _serve_pd(cfg, fmt, dump_tree_on_exit)
         return
     _serve(cfg, fmt, _dump_path(dump_tree_on_exit))
+
+
+def _serve_pd(cfg, fmt: OutputFormat, dump_tree_on_exit: Optional[str]) -> None:
+    """``--disaggregation prefill`` (the worker alone) or ``pd`` (front end + both workers)."""
+    if dump_tree_on_exit is not None:
+        raise UsageError(f"--dump-tree-on-exit: not with --disaggregation "
+                         f"{cfg.disaggregation} (use POST /dump_tree)")
+    if cfg.disaggregation == "prefill":
+        from engine.runtime.pd.serve import run_prefill
+
+        stderr.print(f"hicache bench serve: prefill worker, link on {cfg.pd_addr}")
+        run_prefill(cfg)
+        return
+    from engine.runtime.pd.frontend import serve_frontend
+
+    def ready(url: str, workers) -> None:
+        if fmt is OutputFormat.json:
+            sys.stdout.write(json.dumps({"url": url, "disaggregation": "pd",
+                                         "decode_url": workers.decode_url,
+                                         "model": cfg.model}) + "\n")
+            sys.stdout.flush()
+        stderr.print(f"hicache bench serve: listening on {url}  (P/D: decode worker "
+                     f"{workers.decode_url}, prefill worker pid {workers.prefill.pid})")
+
+    serve_frontend(cfg, on_ready=ready)
 
 
 def _prepare(log_level: LogLevel, disaggregation: Optional[str]) -> None:

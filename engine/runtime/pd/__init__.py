@@ -7,7 +7,9 @@
 * :mod:`.decode` — the decode side: after its own admission (L1, then L2/L3 restore) asks the
   prefill worker for the rest and writes each layer into its page table as it arrives
   (:class:`~.decode.RemoteLoad`, a per-layer handle the scheduler waits on like a load-back).
-* :mod:`.serve` — ``bench serve --disaggregation pd|prefill|decode``: the worker processes.
+* :mod:`.serve` — the worker engines and processes (``--disaggregation prefill|decode``).
+* :mod:`.frontend` — ``--disaggregation pd``: an HTTP front end process forwarding to a decode
+  worker process, with a prefill worker process behind it.
 
 A new transport goes next to :mod:`.link` with the same four calls.
 """

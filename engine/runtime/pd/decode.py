@@ -228,8 +228,8 @@ class PDClient:
             t["failed"] += h.error is not None
 
     def _link_down(self, why: str) -> None:
-        log.error("P/D link down: %s", why)
         with self._cv:
+            (log.info if self._stop else log.error)("P/D link down: %s", why)
             self.down = self.down or why
             pending = list(self._pending)
             self._pending.clear()

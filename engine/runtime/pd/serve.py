@@ -56,8 +56,15 @@ def check_options(cfg: ServerConfig) -> None:
     parse_fault(cfg.pd_inject_fault)
 
 
-def prefill_main(cfg: ServerConfig, host: str, port: int) -> None:
-    """Run a prefill worker until the decode side says stop or the link closes."""
+def prefill_main(cfg: ServerConfig, host: str, port: int, child: bool = False) -> None:
+    """Run a prefill worker until the decode side says stop or the link closes. ``child``: a
+    process another one started — Ctrl-C and SIGTERM sent to the whole process group are left
+    to the parent, which stops this worker over the link (or the link closes)."""
+    if child:
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill %(message)s")
     engine = Engine(cfg)                  # model + cache stack; its scheduler never starts
     try:
@@ -103,7 +110,7 @@ class PDEngine(Engine):
             pcfg = dataclasses.replace(cfg, disaggregation="prefill", pd_addr=f"{host}:{port}",
                                        disable_radix_cache=False, rank_log_dir=None)
             self.prefill_proc = multiprocessing.get_context("spawn").Process(
-                target=prefill_main, args=(pcfg, host, port), name="hicache-prefill",
+                target=prefill_main, args=(pcfg, host, port, True), name="hicache-prefill",
                 daemon=True)
             self.prefill_proc.start()
         try:
