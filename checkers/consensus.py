@@ -36,6 +36,7 @@ DEFAULT_MAX_DIVERGENCES = 10
 DEFAULT_CONTEXT = 3
 MAX_LISTED_RANKS = 1024     # a finding lists at most this many ranks (the message has ranges)
 MAX_SHOWN_RANGES = 16
+MAX_VALUE_CHARS = 120       # a value quoted in a finding's message
 
 
 # -- inputs --------------------------------------------------------------------------------------
@@ -333,12 +334,21 @@ def _missing_ranks(ranges: Sequence[tuple[int, int]]) -> list[int]:
     return out
 
 
+def _short_repr(v: Any, limit: int = MAX_VALUE_CHARS) -> str:
+    """A recorded value for a message: at most ``limit`` characters (a field may hold MiBs)."""
+    if isinstance(v, (str, bytes, list, dict)) and len(v) > limit:
+        v = v[:limit] if not isinstance(v, dict) else dict(list(v.items())[:8])
+        return repr(v)[:limit] + "…"
+    s = repr(v)
+    return s if len(s) <= limit else s[:limit] + "…"
+
+
 def _values_text(ev: dict[str, Any] | None, fields: Sequence[str] | None) -> str:
     """``kind (field=value, ...)`` for ``fields`` (``None``: all but step)."""
     if ev is None:
         return "no event"
     keys = [k for k in ev if k != "step"] if fields is None else fields
-    shown = [f"{k}={ev.get(k)!r}" for k in keys if k != "kind"]
+    shown = [f"{k}={_short_repr(ev.get(k))}" for k in keys if k != "kind"]
     return f"{ev.get('kind')}" + (f" ({', '.join(shown)})" if shown else "")
 
 

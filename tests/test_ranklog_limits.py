@@ -91,3 +91,14 @@ def test_blank_lines_in_a_jsonl_log_are_skipped_and_counted_in_positions(tmp_pat
     p.write_text(head + "\n" + "\n" * 1000 + '{"seq": 0}\n')
     with pytest.raises(FormatError, match="event has no 'step' field"):
         read_ranklog(p)
+
+
+def test_a_huge_differing_value_is_quoted_short(tmp_path):
+    big = "x" * (1 << 20)
+    ev_a = [{"seq": 0, "step": 0, "kind": "lock", "node": big}]
+    ev_b = [{"seq": 0, "step": 0, "kind": "lock", "node": "y"}]
+    for r, ev in ((0, ev_a), (1, ev_b), (2, ev_b)):
+        write_ranklog(tmp_path / f"r{r}.ranklog", {**HEADER, "rank": r, "world_size": 3}, ev)
+    rep = check_consensus([tmp_path])
+    d = rep.divergences[0]
+    assert d.ranks == [0] and len(d.message) < 1000 and "xxx…" in d.message
