@@ -3,9 +3,10 @@
 Why ``torch.distributed`` over gloo (docs/pd.md, "Transport"): it is already how every other
 multi-process part of hicache talks (CP, PP, consensus), it ships with torch (no extra service to
 run, unlike the Mooncake transfer engine, whose TCP transport also needs its metadata server),
-it moves tensors without serialising them, and on GPU the same calls run over NCCL. The link is a
+it moves tensors without serialising them, and the same calls would run over NCCL. The link is a
 private two-rank ``ProcessGroupGloo`` built on its own ``TCPStore`` — no global process group,
-so a server process can hold it next to anything else, and tests can run both ends.
+so a server process can hold it next to anything else, and tests can run both ends. Gloo moves
+host tensors: on a GPU the prefill side stages each layer's pages through host memory.
 
 Rank 0 is the prefill worker (it hosts the store), rank 1 the decode worker. Two one-way
 streams, each ordered: requests (decode → prefill) and replies (prefill → decode). A message is

@@ -128,6 +128,8 @@ class PrefillWorker:
 
     def _send_layer(self, layer: int, pages: np.ndarray) -> tuple:
         data = self.cache.l1.get_layer(layer, pages).contiguous()   # a copy: safe to reuse
+        if data.device.type != "cpu":      # gloo moves host tensors: stage through host memory
+            data = data.cpu()
         work = self.link.send_async(data, TAG_REPLY)
         self.layers_sent += 1
         die = self.fault.get("die-after-layers")
