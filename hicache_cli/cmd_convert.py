@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import typer
 
-from hicache_cli.options import usage
+from hicache_cli.options import Format, usage
 from hicache_cli.output import (
     EXIT_ERROR,
     OutputFormat,
@@ -148,7 +148,6 @@ def register(app: typer.Typer) -> None:
         max_bytes: Optional[str] = typer.Option(None, "--max-bytes", help="Room the "
                                                 "destination may use, e.g. 10GiB (refused up "
                                                 "front when the conversion needs more)."),
-        fmt: OutputFormat = typer.Option(OutputFormat.human, "--format",
-                                         help="human, or a JSON summary on stdout."),
+        fmt: Format = OutputFormat.human,
     ) -> None:
         convert(src, dst, to, from_, verify, dry_run, max_bytes, fmt)
