@@ -231,11 +231,16 @@ class CPCache:
         out = self.cache.stats()
         l1: OwnerAllocator = self.cache.l1_alloc
         p = self.cache.page_size
+        layout = self.cache.config.layout
         out["cp"] = {
             "cp_size": self.shape.size,
             "l1_used_tokens_per_rank": (l1.used_per_rank() * p).tolist(),
             "l2_used_tokens_per_rank": (self.cache.l2_alloc.used_per_rank() * p).tolist()
             if self.cache.l2_alloc is not None else None,
+            "l1_kv_bytes_per_rank": None if layout is None
+            else (l1.used_per_rank() * layout.page_bytes).tolist(),
+            "l2_kv_bytes_per_rank": None if layout is None or self.cache.l2_alloc is None
+            else (self.cache.l2_alloc.used_per_rank() * layout.page_bytes).tolist(),
             "rotation_cuts": self.cuts,
             "rotation_cut_pages": self.cut_pages,
         }

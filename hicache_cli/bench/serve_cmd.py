@@ -132,6 +132,9 @@ TransferDelay = Annotated[Optional[str], _O("--debug-transfer-delay", help="Debu
                                             "arrive at different times on different stages.")]
 CollectiveTimeout = Annotated[float, _O("--collective-timeout", help="Seconds a pipeline stage "
                                         "may stay silent before the server stops and names it.")]
+Cp = Annotated[int, _O("--cp", min=1, help="Context-parallel ranks: one process each, KV pages "
+                       "sharded by owner, --l1-tokens/--l2-tokens per rank "
+                       "(docs/parallelism.md).")]
 Level = Annotated[LogLevel, _O("--log-level", help="Server log verbosity (stderr).")]
 
 
@@ -155,7 +158,8 @@ def serve_cmd(
     pd_addr: PdAddr = "127.0.0.1:0", pd_decode_reuse: PdReuse = "on",
     pd_transfer_timeout: PdTimeout = 30.0, pd_inject_fault: PdFault = None, pp: Pp = 1,
     pp_sync: PpSync = True, transfer_delay: TransferDelay = None,
-    collective_timeout: CollectiveTimeout = 60.0, log_level: Level = LogLevel.warning, fmt: Format = OutputFormat.human,
+    collective_timeout: CollectiveTimeout = 60.0, cp: Cp = 1,
+    log_level: Level = LogLevel.warning, fmt: Format = OutputFormat.human,
 ) -> None:
     """Run the benchmark server until Ctrl-C / SIGTERM (--format json: also one JSON line with
     the URL and configuration on stdout when it listens).
@@ -243,7 +247,7 @@ def _server_config(o: dict):
             pd_decode_reuse=o["pd_decode_reuse"] == "on",
             pd_transfer_timeout=o["pd_transfer_timeout"], pd_inject_fault=o["pd_inject_fault"],
             pp=o["pp"], pp_sync=o["pp_sync"], debug_transfer_delay=o["transfer_delay"],
-            collective_timeout_s=o["collective_timeout"])
+            collective_timeout_s=o["collective_timeout"], cp=o["cp"])
 
 
 def _dump_path(dump_tree_on_exit: Optional[str]) -> Optional[Path]:
@@ -277,7 +281,11 @@ def _serve(cfg, fmt: OutputFormat, dump_path: Optional[Path]) -> None:
                      f"{d['device']}, L1 {d['l1_tokens']} tokens, L2 {l2}, L3 {d['l3']}, "
                      f"page {d['page_size']}, {d['host_layout']})")
 
+    failure: list[str] = []
+
     def on_exit(engine: Engine) -> None:
+        if engine.failure:                # a CP rank died or hung: exit 1 after the stop
+            failure.append(engine.failure)
         if dump_path is not None:
             from engine.snapshot.take import write_snapshot
 
@@ -287,6 +295,8 @@ def _serve(cfg, fmt: OutputFormat, dump_path: Optional[Path]) -> None:
 
     try:
         serve(cfg, on_ready=ready, on_exit=on_exit)
+        if failure:
+            fail(f"stopped: {failure[0]}")
     except OSError as exc:
         # a bind error names no file; any other OSError (an unwritable --rank-log-dir,
         # store dir, ...) is reported with its own path by the error table

@@ -8,6 +8,7 @@ import math
 import os
 import shutil
 import tempfile
+import time
 from typing import Any
 
 from engine.cache.events import EventLog, RankInfo
@@ -81,8 +82,16 @@ class ServerConfig:
     pp_sync: bool = True                   # debug: False lets each stage consume what it has
     debug_transfer_delay: str | None = None  # "STAGE:MS[,STAGE:MS]": slow one stage's copies
     collective_timeout_s: float = 60.0     # a stage silent this long stops the server
+    cp: int = 1                        # context-parallel ranks (one process each; KV sharded)
 
     def __post_init__(self) -> None:
+        if self.cp < 1:
+            raise ValueError(f"--cp must be >= 1, got {self.cp}")
+        if self.cp > 1 and (self.speculative_num_draft_tokens or self.hicache_storage_backend
+                            or self.hicache_storage_backend_config or self.pp > 1
+                            or self.disaggregation is not None):
+            raise ValueError("--cp > 1 does not combine with --pp, P/D disaggregation, "
+                             "speculative decoding or an L3 store yet")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.l1_tokens < self.page_size:
@@ -199,12 +208,24 @@ class ServerConfig:
 class Engine:
     """The model, its tokenizer, the cache and the scheduler, wired together."""
 
-    def __init__(self, cfg: ServerConfig, stage: int = 0):
+    def __init__(self, cfg: ServerConfig, stage: int = 0, cp_rank: int = 0,
+                 cp_addr: str | None = None):
         """``stage``: this process's pipeline stage (``cfg.pp`` > 1); stage 0 starts the others
-        (engine.runtime.pipeline) and serves HTTP."""
+        (engine.runtime.pipeline) and serves HTTP. ``cp_rank``/``cp_addr``: a follower rank of
+        a CP group (``cfg.cp`` > 1, engine.runtime.cp_serve); rank 0 spawns the followers."""
         self.cfg = cfg
         self.stage = stage
         self.stage_procs: list = []
+        self.cp_rank = cp_rank
+        self.followers = None
+        self.failure: str | None = None      # why a CP group stopped (a rank died or hung)
+        if cfg.cp > 1:
+            from engine.runtime.cp_serve import Followers, init_group
+
+            if cp_rank == 0:
+                self.followers = Followers(cfg, cfg.cp, cfg.collective_timeout_s)
+                cp_addr = self.followers.addr
+            init_group(cp_rank, cfg.cp, cp_addr, cfg.collective_timeout_s)
         self.device = resolve_device(cfg.device)
         if cfg.pp > 1 and stage == 0:
             self._start_stages(cfg)
@@ -235,12 +256,20 @@ class Engine:
                                        cfg.page_size).page_bytes // cfg.page_size}
         self.l2_tokens = cfg.l2_tokens_for(token_bytes)
         cfg.check_memory(token_bytes, self.l2_tokens, self.device)
-        self.cache = HiCache(CacheConfig(
+        cache_cfg = CacheConfig(
             page_size=cfg.page_size, l1_tokens=cfg.l1_tokens, l2_tokens=self.l2_tokens,
             write_policy=cfg.write_policy, write_through_threshold=cfg.write_through_threshold,
             eviction_policy=cfg.eviction_policy, host_layout=cfg.host_layout,
-            device=self.device, layout=layout, sidecar=sidecar),
-            events=self._event_log(cfg, stage))
+            device=self.device, layout=layout, sidecar=sidecar)
+        if cfg.cp > 1:
+            import torch.distributed as dist
+
+            from engine.parallel.cp_cache import CPCache
+
+            self.cache = CPCache(cache_cfg, cfg.cp, events=self._event_log(cfg, cp_rank=cp_rank),
+                                 rank=cp_rank, group=dist.group.WORLD)
+        else:
+            self.cache = HiCache(cache_cfg, events=self._event_log(cfg, stage))
         if cfg.pp > 1:
             from engine.runtime.pipeline import parse_delay
 
@@ -268,6 +297,13 @@ class Engine:
             self.scheduler: Scheduler = PipelineScheduler(
                 self.model, self.cache, sched_cfg, stage=stage, num_stages=cfg.pp,
                 pp_sync=cfg.pp_sync, timeout_s=cfg.collective_timeout_s)
+        elif cfg.cp > 1:
+            from engine.runtime.cp_serve import RankScheduler, broadcast_sync, sharded_source
+
+            self.scheduler = RankScheduler(
+                self.model, self.cache, sched_cfg, sync=broadcast_sync(), leader=cp_rank == 0,
+                dead_ranks=self.followers.dead if self.followers else (lambda: []))
+            self.scheduler.kv_source = sharded_source(self.cache, cp_rank)
         else:
             self.scheduler = Scheduler(self.model, self.cache, sched_cfg, draft=self.draft,
                                        spec=spec)
@@ -291,9 +327,11 @@ class Engine:
         return os.path.abspath(d), tmp
 
     @staticmethod
-    def _event_log(cfg: ServerConfig, stage: int = 0) -> EventLog:
+    def _event_log(cfg: ServerConfig, stage: int = 0, cp_rank: int | None = None) -> EventLog:
         keep = cfg.record_events or cfg.rank_log_dir is not None
         rank = RankInfo(rank=stage, world_size=cfg.pp, pp_rank=stage, pp_size=cfg.pp)
+        if cp_rank is not None:
+            rank = RankInfo(rank=cp_rank, world_size=cfg.cp, cp_rank=cp_rank, cp_size=cfg.cp)
         log_ = EventLog(rank, enabled=keep or bool(cfg.inject_divergence), keep=keep)
         if cfg.inject_divergence:
             from engine.parallel.divergence import install
@@ -368,6 +406,16 @@ class Engine:
 
     def start(self) -> None:
         self.scheduler.start()
+        if self.followers is not None:
+            self.followers.watch(self.scheduler, self._rank_failed)
+
+    def _rank_failed(self, message: str) -> None:
+        """A CP rank died or hung: /health already says so; stop serving after a moment."""
+        from engine.runtime.cp_serve import stop_server
+
+        self.failure = message
+        time.sleep(1.0)                      # let health checks see the 503 first
+        stop_server(message)
 
     def _start_stages(self, cfg: ServerConfig) -> None:
         """Stage 0: start stages 1 … pp-1 as processes and join their process group."""
@@ -392,7 +440,7 @@ class Engine:
 
     def flush(self) -> None:
         """Drop every unlocked page (on every pipeline stage). Call on the scheduler thread."""
-        if self.cfg.pp > 1:
+        if self.cfg.pp > 1 or self.cfg.cp > 1:
             self.scheduler.request_flush()
         else:
             self.cache.flush()
@@ -411,6 +459,9 @@ class Engine:
                 p.join(timeout=self.cfg.collective_timeout_s)
                 if p.is_alive():
                     p.kill()
+        if self.followers is not None:
+            self.scheduler.halt_followers()
+            self.followers.join()
         if self.cfg.rank_log_dir is not None:
             self.cache.wait_all()
             os.makedirs(self.cfg.rank_log_dir, exist_ok=True)
@@ -418,6 +469,11 @@ class Engine:
             self.cache.events.write(path)
             log.info("rank log written to %s", path)
         self.cache.close()
+        if self.cfg.cp > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
         if self._tmp_tokenizer and self.tokenizer_path:
             shutil.rmtree(self.tokenizer_path, ignore_errors=True)
         if self.stage_procs:

@@ -1,0 +1,227 @@
+"""Serving on a CP group: one process per rank behind the single HTTP front end.
+
+Rank 0 is the server process: it runs the HTTP front end and the *leader* scheduler. Ranks
+1…N-1 are spawned *followers*, each with the same model, a :class:`CPCache` whose pools hold its
+own pages, and a scheduler that never sees HTTP. Every step, the leader broadcasts what it took
+from its inbox (new requests, aborts, stops); every rank applies the same items and then runs the
+same step — admission, the agreed transfer commits (``CPCache.poll``), the forward with
+:class:`ShardedKV` (per-layer gathers) and greedy or seeded sampling — so all ranks make the
+same decisions, produce the same tokens and record the same events. On stop the leader
+broadcasts a halt; every rank aborts what is left and writes its rank log.
+
+A rank that dies makes the next collective fail on the others (gloo notices a closed peer; a
+hung one hits the collective timeout). The leader's scheduler then stops with an error naming
+the dead rank, ``/health`` answers 503 with it, and the server shuts down.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import signal
+import threading
+from typing import Any, Callable
+
+import numpy as np
+
+from engine.parallel.launch import RankFailed, free_port
+from engine.runtime.cp_kv import ShardedKV
+from engine.runtime.scheduler.core import Scheduler, _Req
+from engine.runtime.scheduler.params import FinishReason
+
+log = logging.getLogger("hicache.cp")
+
+
+def _wire(kind: str, item: Any) -> tuple:
+    if kind == "req":
+        r: _Req = item
+        return ("req", (r.rid, r.ids, r.sampling, r.namespace, r.priority, r.aborted))
+    return (kind, item)
+
+
+class RankScheduler(Scheduler):
+    """A :class:`Scheduler` that steps in lockstep with the other ranks of its group.
+
+    ``sync(items)`` is a broadcast from rank 0: the leader passes its drained inbox (``None`` to
+    halt the followers), every rank gets the leader's list back. ``dead_ranks()`` names ranks
+    whose process has exited (the leader's view), to turn a failed collective into a message.
+    """
+
+    def __init__(self, *args, sync: Callable[[Any], Any], leader: bool,
+                 dead_ranks: Callable[[], list[str]] = lambda: [], **kw):
+        super().__init__(*args, **kw)
+        self.sync = sync
+        self.leader = leader
+        self.dead_ranks = dead_ranks
+        self.halted = False
+        self._broken = False
+        self._stepping = False
+        self._pending: list = []
+
+    def _collective(self, items):
+        try:
+            return self.sync(items)
+        except Exception as exc:
+            self._broken = True
+            dead = []
+            for _ in range(30):                 # a rank that died may still be exiting
+                dead = self.dead_ranks()
+                if dead:
+                    break
+                threading.Event().wait(0.1)
+            if dead:
+                raise RankFailed(f"{dead[0]}; the CP group cannot continue") from exc
+            raise RankFailed(f"a CP collective failed ({type(exc).__name__}: {exc}); a rank "
+                             f"died or hung") from exc
+
+    def step(self, block: bool = False) -> bool:
+        if self.leader:
+            if self._stop.is_set() or self._broken:
+                return False       # no more collectives: the followers wait for the halt
+            self._stepping = True
+            try:
+                return super().step(block)
+            except RankFailed as exc:      # a known failure: one clear line, no traceback
+                log.error("%s", exc)
+                self.last_error = str(exc)
+                self._fail_all(self.last_error)
+                self._stop.set()
+                return False
+            finally:
+                self._stepping = False
+        if not self.leader:
+            got = self._collective([])
+            if got is None:
+                self.halted = True
+                for r in list(self._running) + list(self._waiting):
+                    self._finish(r, FinishReason.ABORT)
+                return False
+            self._pending = got
+        return super().step(block)
+
+    def _drain_inbox(self, block: bool = False) -> None:
+        if not self.leader:
+            for kind, item in self._pending:
+                if kind == "req":
+                    rid, ids, sampling, ns, prio, aborted = item
+                    r = _Req(rid, np.asarray(ids), sampling, ns, prio, None)
+                    r.aborted = aborted
+                    with self._lock:
+                        self._by_rid[rid] = r
+                    item = r
+                self._handle(kind, item)
+            self._pending = []
+            return
+        items = self._pull_inbox(block)
+        if self._stepping:         # not when the loop's exit path drains what is left
+            self._collective([_wire(k, i) for k, i in items if k != "call"])
+        for kind, item in items:
+            self._handle(kind, item)
+
+    def request_flush(self) -> None:
+        """Flush every rank's cache at the same step (``/flush_cache``)."""
+        self._inbox.put(("flush", None))
+
+    def _handle(self, kind: str, item: Any) -> None:
+        if kind == "flush":
+            self.cache.flush()
+        else:
+            super()._handle(kind, item)
+
+    def halt_followers(self) -> None:
+        if self.leader and not self._broken:
+            try:
+                self.sync(None)
+            except Exception as exc:  # noqa: BLE001 - the group is already gone
+                log.warning("could not halt the followers: %s", exc)
+
+
+def broadcast_sync(group=None) -> Callable[[Any], Any]:
+    import torch.distributed as dist
+
+    def sync(items):
+        box = [items]
+        dist.broadcast_object_list(box, src=0, group=group)
+        return box[0]
+    return sync
+
+
+def sharded_source(cache, rank: int) -> Callable:
+    """``Scheduler.kv_source`` for a CP rank: the forward reads KV through ``ShardedKV``."""
+    def source(chunks, hooks):
+        def ready(layer: int) -> None:
+            for h in hooks:
+                h(layer)
+        return ShardedKV(chunks, cache.l1.buf, cache.shape, rank, ready=ready)
+    return source
+
+
+def init_group(rank: int, world: int, addr: str, timeout_s: float) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+class Followers:
+    """The leader's handle on ranks 1…N-1: spawns them, watches them, names the dead."""
+
+    def __init__(self, cfg, world: int, timeout_s: float = 60.0):
+        import torch.multiprocessing as mp
+
+        self.addr = f"127.0.0.1:{free_port()}"
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=follower_main, args=(r, world, self.addr, cfg,
+                                                              timeout_s),
+                                  name=f"hicache-cp-rank{r}", daemon=True)
+                      for r in range(1, world)]
+        for p in self.procs:
+            p.start()
+            log.info("CP rank %d: pid %d", self.procs.index(p) + 1, p.pid)
+        self._watch: threading.Thread | None = None
+
+    def dead(self) -> list[str]:
+        return [f"rank {i + 1} exited (code {p.exitcode})" for i, p in enumerate(self.procs)
+                if not p.is_alive()]
+
+    def watch(self, scheduler: Scheduler, on_failure: Callable[[str], None]) -> None:
+        """Background: once the scheduler stops on a rank failure, report it and stop."""
+        def run():
+            while scheduler.alive or scheduler.last_error is None:
+                if scheduler._thread is None and scheduler.last_error is None:
+                    return                        # stopped normally
+                threading.Event().wait(0.2)
+            on_failure(scheduler.last_error)
+        self._watch = threading.Thread(target=run, name="hicache-cp-watch", daemon=True)
+        self._watch.start()
+
+    def join(self, timeout: float = 10.0) -> None:
+        for p in self.procs:
+            p.join(timeout)
+            if p.is_alive():
+                p.kill()
+
+
+def stop_server(message: str) -> None:
+    """Report a rank failure and stop this server (SIGTERM: the graceful shutdown path)."""
+    log.error("stopping the server: %s", message)
+    print(f"hicache: stopping: {message}", flush=True, file=__import__("sys").stderr)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def follower_main(rank: int, world: int, addr: str, cfg, timeout_s: float) -> None:
+    """A follower rank: the same engine without HTTP, stepping when the leader steps."""
+    from engine.runtime.serving.runtime import Engine
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C goes to the leader, which halts us
+    logging.basicConfig(level=logging.WARNING)
+    engine = Engine(cfg, cp_rank=rank, cp_addr=addr, cp_timeout_s=timeout_s)
+    sched: RankScheduler = engine.scheduler
+    try:
+        while not sched.halted:
+            sched.step(block=False)
+    except RankFailed as exc:
+        log.error("CP rank %d: %s", rank, exc)
+    finally:
+        engine.stop()

@@ -1,0 +1,105 @@
+"""``hicache bench serve --cp 2``: two rank processes behind one HTTP front end. Greedy outputs
+equal ``--cp 1`` for fresh prompts, device hits and prefixes restored from host memory;
+``/metrics`` shows each rank's KV bytes; the ranks' logs are consistent; a killed rank turns
+``/health`` unhealthy and stops the server with a message naming it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import requests
+from typer.testing import CliRunner
+
+from hicache_cli.app import app
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARGS = ["--l1-tokens", "256", "--l2-tokens", "2048", "--page-size", "16", "--format", "json"]
+
+
+def _spawn(*args: str, stderr=subprocess.PIPE) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hicache_cli.app", "bench", "serve", "--port", "0", *ARGS, *args],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True,
+        env=dict(os.environ, PYTHONPATH=ROOT))
+    line = proc.stdout.readline()
+    assert line, f"server did not start: {proc.stderr.read() if proc.stderr else ''}"
+    return proc, json.loads(line)["url"]
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+
+
+def _gen(url: str, ids: list[int]) -> tuple[list[int], dict]:
+    r = requests.post(url + "/generate", timeout=60, json={
+        "input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0,
+                                              "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    d = r.json()
+    return d["output_ids"], d["meta_info"]["cached_tokens_details"]
+
+
+P1 = _prompt(100, 1)
+SCRIPT = [P1, _prompt(60, 2), P1[:96] + _prompt(10, 3)] + \
+         [_prompt(120, 10 + i) for i in range(5)] + [P1[:96] + _prompt(7, 4)]
+
+
+def test_cp2_server_equals_cp1_and_its_ranks_agree(tmp_path):
+    one, url1 = _spawn()
+    two, url2 = _spawn("--cp", "2", "--rank-log-dir", str(tmp_path))
+    try:
+        got1 = [_gen(url1, ids) for ids in SCRIPT]
+        got2 = [_gen(url2, ids) for ids in SCRIPT]
+        metrics = requests.get(url2 + "/metrics", timeout=10).text
+    finally:
+        for p in (one, two):
+            p.send_signal(signal.SIGINT)
+        for p in (one, two):
+            _, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err
+    assert [o for o, _ in got2] == [o for o, _ in got1]
+    assert got2[2][1]["device"] == 96                 # a device hit …
+    assert got2[-1][1]["host"] > 0                     # … and a prefix back from host memory
+    kv = {(m[0], m[1]): int(float(m[2])) for m in re.findall(
+        r'hicache_kv_bytes\{rank="(\d)",tier="(\w+)"\} (\S+)', metrics)}
+    assert set(kv) == {(r, t) for r in "01" for t in ("device", "host")}
+    assert kv[("0", "host")] > 0 and kv[("1", "host")] > 0
+    assert sorted(os.listdir(tmp_path)) == ["rank0.ranklog", "rank1.ranklog"]
+    res = CliRunner().invoke(app, ["consensus-check", str(tmp_path), "--format", "json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["consistent"] is True
+
+
+def test_a_killed_rank_stops_the_server_naming_it(tmp_path):
+    log = tmp_path / "server.err"
+    with open(log, "w") as err:
+        proc, url = _spawn("--cp", "2", "--log-level", "info", stderr=err)
+    try:
+        assert _gen(url, _prompt(40, 1))[0]
+        pid = int(re.search(r"CP rank 1: pid (\d+)", log.read_text()).group(1))
+        os.kill(pid, signal.SIGKILL)
+        health = None
+        for _ in range(100):
+            try:
+                h = requests.get(url + "/health", timeout=2)
+            except requests.ConnectionError:
+                break                                   # already gone
+            if h.status_code == 503:
+                health = h.text
+                break
+            time.sleep(0.1)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert proc.returncode == 1                        # a failure, not a clean stop
+    assert "stopped: rank 1 exited" in text and "Traceback" not in text
+    assert health is not None and "rank 1 exited" in health   # unhealthy before it stopped
