@@ -216,7 +216,7 @@ def follower_main(rank: int, world: int, addr: str, cfg, timeout_s: float) -> No
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C goes to the leader, which halts us
     logging.basicConfig(level=logging.WARNING)
-    engine = Engine(cfg, cp_rank=rank, cp_addr=addr, cp_timeout_s=timeout_s)
+    engine = Engine(cfg, cp_rank=rank, cp_addr=addr)
     sched: RankScheduler = engine.scheduler
     try:
         while not sched.halted:
