@@ -125,3 +125,20 @@ def test_put_split_in_flight_marks_every_piece():
     assert [len(n.tokens) // 4 for n in nodes] == [2, 2]
     assert [n.l3 for n in nodes] == [2, 2]
     assert_healthy(c, idle=True)
+
+
+def test_timeout_policy_counts_the_existence_query_against_the_timeout():
+    """``timeout`` bounds the whole prefetch: a job waits only what is left of the timeout
+    after the existence query (here: nothing is left of an hour, so it does not wait)."""
+    import time
+
+    import numpy as np
+
+    from engine.cache.l3 import Job
+
+    c = with_store(MemoryBackend(MemoryStoreConfig()), policy="timeout")
+    c.l3.timeout = 3600.0
+    job = Job("get", [], np.zeros(0, np.int64), None, 0)
+    assert c.l3.wait(job, started=time.monotonic() - 3600.0) is False
+    job.event.set()
+    assert c.l3.wait(job, started=time.monotonic() - 3600.0) is True

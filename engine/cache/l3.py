@@ -19,6 +19,7 @@ import collections
 import logging
 import queue
 import threading
+import time
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -204,8 +205,10 @@ class L3Tier:
         self.impl.run(job)
         return job
 
-    def wait(self, job: Job) -> bool:
-        """Wait for a prefetch as the policy says; True when it is complete."""
+    def wait(self, job: Job, started: float | None = None) -> bool:
+        """Wait for a prefetch as the policy says; True when it is complete. ``timeout``:
+        the whole prefetch (from ``started``, ``time.monotonic()`` before its existence query)
+        waits at most the prefetch timeout."""
         if job.event.is_set():
             return True
         if self.policy is PrefetchPolicy.BEST_EFFORT:
@@ -213,7 +216,8 @@ class L3Tier:
         if self.policy is PrefetchPolicy.WAIT_COMPLETE:
             job.event.wait()
             return True
-        return job.event.wait(self.timeout)
+        spent = 0.0 if started is None else time.monotonic() - started
+        return job.event.wait(max(0.0, self.timeout - spent))
 
     def take_done(self, job_filter: Callable[[Job], bool] | None = None) -> list[Job]:
         """Remove and return finished jobs (in submission order for each leading run)."""
@@ -261,6 +265,7 @@ class L3Tier:
         """Fetch pages ``start…`` that L3 holds into L2 (a new node appended to ``path`` when
         committed now); returns the pages committed now."""
         p = self.page_size
+        started = time.monotonic()
         n3 = self.exists_prefix(hashes[start:])
         alloc = self._l2_alloc
         if n3 == 0 or alloc is None:
@@ -279,7 +284,7 @@ class L3Tier:
                           payload=(parent, toks[start * p:(start + n) * p].copy(), rid))
         self._events.emit(EV.RESTORE, op=job.op_id, rid=rid, pages=int(n), src="l3")
         self._cache_counters["prefetch_pages_issued"] += n
-        if self.wait(job):
+        if self.wait(job, started):
             self.take_done(lambda j: j is job)
             node = self._commit(job)
             if node is not None:
