@@ -176,3 +176,36 @@ def test_concurrent_requests_match_the_plain_engine():
         assert clean(h) == []
     for p, r in zip(prompts, resps):
         assert r.json()["output_ids"] == reference(p)
+
+
+
+def test_request_aborted_while_its_kv_is_on_the_way():
+    """A client that leaves before the KV arrives: the request's pages are freed at once and
+    the late pages are dropped, never written into pages the cache has given to another
+    prefix meanwhile (that prefix is reused afterwards: its output would differ)."""
+    from engine.runtime.scheduler import SamplingParams
+
+    with start(pd_inject_fault="delay:3") as h:
+        eng = h.engine
+        rid = eng.scheduler.submit(toks(400, 91), SamplingParams(max_new_tokens=4,
+                                                                 ignore_eos=True))
+        time.sleep(0.5)                                   # admitted, waiting on the link
+        eng.scheduler.abort(rid)
+        assert clean(h) == []
+        assert eng.cache.stats()["l1_used_tokens"] == 0
+        other = toks(400, 92)                             # computed on decode, into the freed
+        remote, eng.scheduler.remote = eng.scheduler.remote, None      # pages
+        try:
+            eng.scheduler.generate(other, SamplingParams(max_new_tokens=1, ignore_eos=True))
+        finally:
+            eng.scheduler.remote = remote
+        deadline = time.monotonic() + 30                  # the late reply arrives, dropped
+        while eng.pd._pending:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        more = other + toks(30, 93)
+        r = generate(h, more)
+        assert r.status_code == 200, r.text
+        assert r.json()["meta_info"]["pd_transfer"]["decode_device"] == 400
+        assert r.json()["output_ids"] == reference(more)
+        assert clean(h) == []

@@ -60,6 +60,15 @@ class RemoteLoad:
                     break
                 self.cond.wait(left)
 
+    def ready(self) -> bool:
+        """Whether a forward may include the request now: its first layer is in (the others
+        follow at the prefill's pace, each awaited by :meth:`wait_layer`), or the transfer
+        failed — a slow or silent prefill worker never holds up the other requests' steps."""
+        with self.cond:
+            if self.arrived == 0 and self.error is None and time.monotonic() >= self.deadline:
+                self._fail(f"P/D transfer timed out after {self.timeout_s:g}s")
+            return self.arrived > 0 or self.error is not None
+
     def wait(self) -> None:
         """The request is going away: let the local load-back land, stop any further write."""
         if self.inner is not None:

@@ -265,7 +265,7 @@ class Scheduler:
             if ran_spec:
                 self.metrics.steps += 1
                 return True
-            if block and self._waiting:      # head of the queue waits for room: don't spin
+            if (block and self._waiting) or self._running:   # waiting for room or for KV
                 self._stop.wait(0.002)
             return False
         try:
@@ -367,6 +367,8 @@ class Scheduler:
         return chunks, reqs
 
     def _add_prefill(self, r: _Req, budget: int, chunks: list[Chunk], reqs: list[_Req]) -> int:
+        if not getattr(r.load, "ready", lambda: True)():
+            return 0                       # P/D: no KV on the way yet; the others run meanwhile
         n = min(budget, r.prompt_len - r.kv_len)
         last = r.kv_len + n == r.prompt_len
         chunks.append(Chunk(r.ids[r.kv_len:r.kv_len + n], r.kv_len, r.pages,
