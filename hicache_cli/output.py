@@ -48,7 +48,10 @@ def _json_default(o: Any) -> Any:
 
 
 def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
-    stderr.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
+    from rich.markup import escape
+
+    # messages are plain text: a bracket in one (a gloo error names "[host]:port") is not markup
+    stderr.print(f"[bold red]error:[/] {escape(message)}", markup=True, highlight=False)
     raise typer.Exit(code)
 
 
