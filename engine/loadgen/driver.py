@@ -19,13 +19,14 @@ import json
 import math
 import random
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 from urllib.parse import urlsplit
-
-import aiohttp
 
 from engine.core.errors import InputError
 from engine.loadgen.workloads import RequestSpec, Session, Workload
+
+if TYPE_CHECKING:      # the HTTP client loads only when a load runs: CLI start-up stays fast
+    import aiohttp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +130,8 @@ class _StreamError(Exception):
 
 
 async def _check_health(http: aiohttp.ClientSession, url: str, timeout: float) -> None:
+    import aiohttp
+
     try:
         async with http.get(url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             if r.status >= 500:
@@ -242,6 +245,8 @@ async def _read_stream(resp: aiohttp.ClientResponse, rec: RequestRecord, t0: flo
 
 async def _send(http: aiohttp.ClientSession, spec: RequestSpec, cfg: LoadConfig,
                 t_start: float) -> RequestRecord:
+    import aiohttp
+
     t0 = time.perf_counter()
     rec = RequestRecord(spec.session, spec.turn, t0 - t_start)
     try:
@@ -286,6 +291,8 @@ def _error_message(text: str) -> str:
 async def run_load_async(workload: Workload, cfg: LoadConfig,
                          on_record: Callable[[RequestRecord], None] | None = None,
                          check_health: bool = True) -> LoadResult:
+    import aiohttp
+
     rng = random.Random(cfg.seed)
     conn = aiohttp.TCPConnector(limit=cfg.concurrency, force_close=False)
     async with aiohttp.ClientSession(connector=conn) as http:
