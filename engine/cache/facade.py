@@ -40,6 +40,10 @@ from engine.cache.types import (  # noqa: F401 (CacheConfig, as_tokens re-export
 from engine.core.device import resolve_device
 from engine.core.errors import OutOfCapacity
 
+_STAT_COUNTERS = ("match_tokens", "hit_l1_tokens", "hit_l2_tokens", "hit_l3_tokens",
+                  "loadback_pages", "loadback_ops", "backup_pages", "evicted_l1_pages",
+                  "evicted_l2_pages", "prefetch_pages")
+
 
 class HiCache:
     """The cache stack of one rank (see the module docstring and docs/engine-api.md)."""
@@ -574,7 +578,6 @@ class HiCache:
     def stats(self) -> dict[str, Any]:
         p = self.page_size
         c = self.counters
-        total = c["match_tokens"]
         nodes = list(self.tree.iter_nodes())
         locked = sum(len(n.tokens) for n in nodes if n.lock_ref > 0 and n.l1 is not None)
         return {
@@ -585,17 +588,8 @@ class HiCache:
             "l1_locked_tokens": locked,
             "l2_capacity_tokens": self.l2_alloc.num_pages * p if self.l2_alloc else 0,
             "l2_used_tokens": self.l2_alloc.used_pages * p if self.l2_alloc else 0,
-            "match_tokens": total,
-            "hit_l1_tokens": c["hit_l1_tokens"],
-            "hit_l2_tokens": c["hit_l2_tokens"],
-            "hit_l3_tokens": c["hit_l3_tokens"],
-            "loadback_pages": c["loadback_pages"],
-            "loadback_ops": c["loadback_ops"],
-            "backup_pages": c["backup_pages"],
-            "evicted_l1_pages": c["evicted_l1_pages"],
-            "evicted_l2_pages": c["evicted_l2_pages"],
+            **{k: c[k] for k in _STAT_COUNTERS},
             "inflight_ops": sum(len(q) for q in self._inflight.values()),
-            "prefetch_pages": c["prefetch_pages"],
             "l3": self.l3.stats() if self.l3 is not None else None,
         }
 

@@ -27,8 +27,9 @@ import numpy as np
 
 from engine.parallel.launch import RankFailed, free_port
 from engine.runtime.cp_kv import ShardedKV
-from engine.runtime.scheduler.core import Scheduler, _Req
+from engine.runtime.scheduler.core import Scheduler
 from engine.runtime.scheduler.params import FinishReason
+from engine.runtime.scheduler.request import _Req
 
 log = logging.getLogger("hicache.cp")
 

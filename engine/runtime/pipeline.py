@@ -30,8 +30,9 @@ import torch
 from engine.parallel.pp_sync import PPSync, adjacent_groups, links_for
 from engine.runtime.model import Model
 from engine.runtime.model.weights import ModelWeights
-from engine.runtime.scheduler.core import FinishReason, Scheduler, _Phase, _Req
+from engine.runtime.scheduler.core import FinishReason, Scheduler
 from engine.runtime.scheduler.params import SamplingParams
+from engine.runtime.scheduler.request import _Phase, _Req
 
 log = logging.getLogger("hicache.pipeline")
 

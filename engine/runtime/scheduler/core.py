@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import enum
 import itertools
 import logging
 import math
@@ -29,58 +28,11 @@ from engine.runtime.scheduler.params import (
     SamplingParams,
     SchedulerConfig,
 )
+from engine.runtime.scheduler.request import _match_len, _Phase, _Req
 from engine.runtime.scheduler.spec import SpecConfig, SpecDecoder, cache_layout, request_meta
 from engine.runtime.scheduler.stats import SchedulerMetrics
 
 log = logging.getLogger("hicache.scheduler")
-
-
-class _Phase(enum.Enum):
-    WAITING = 0
-    PREFILL = 1
-    DECODE = 2
-    DONE = 3
-
-
-class _Req:
-    __slots__ = ("rid", "ids", "sampling", "namespace", "priority", "cb", "t_arrival",
-                 "t_admit", "t_first", "phase", "receipt", "load", "pages", "n_prefix_pages",
-                 "kv_len", "out", "cached_device", "cached_host", "cached_storage", "gen",
-                 "aborted", "hashes", "lp_pending", "input_lp", "draft_len", "spec_proposed",
-                 "spec_accepted", "spec_steps", "spec_dropped", "pd")
-
-    def __init__(self, rid: str, ids: np.ndarray, sampling: SamplingParams,
-                 namespace: str | None, priority: int, cb: Callback | None):
-        self.rid, self.ids, self.sampling = rid, ids, sampling
-        self.namespace, self.priority, self.cb = namespace, priority, cb
-        self.t_arrival = time.perf_counter()
-        self.t_admit = math.nan
-        self.t_first = math.nan
-        self.phase = _Phase.WAITING
-        self.receipt = None
-        self.load = None
-        self.pages = np.empty(0, dtype=np.int64)   # page table: prefix pages, then own pages
-        self.n_prefix_pages = 0                     # leading pages owned by the tree
-        self.kv_len = 0                             # positions whose KV is in L1
-        self.out: list[int] = []
-        self.cached_device = self.cached_host = self.cached_storage = 0
-        self.gen: torch.Generator | None = None
-        self.aborted = False
-        self.hashes: list = []                      # L3 page hashes of the matched prefix
-        self.lp_pending: tuple | None = None        # logprob of the token about to be emitted
-        self.input_lp: list | None = None           # prompt logprobs, sent with the first output
-        self.draft_len = 0                          # speculative: positions with draft KV
-        self.spec_proposed = self.spec_accepted = self.spec_steps = 0
-        self.spec_dropped = False
-        self.pd: dict | None = None                 # P/D: where the prompt's KV came from
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.ids)
-
-    def kv_needed(self) -> int:
-        """Positions that will ever hold KV: the prompt and every output token but the last."""
-        return self.prompt_len + max(self.sampling.max_new_tokens - 1, 0)
 
 
 class Scheduler:
@@ -592,15 +544,6 @@ class Scheduler:
                 self._finish(r, FinishReason.ERROR, error=msg)
             except Exception:  # noqa: BLE001
                 log.exception("could not release %s", r.rid)
-
-
-def _match_len(r: _Req) -> int:
-    """Prompt tokens the prefix match may cover: all but the last (it yields the first
-    output's logits), and none past the first position whose logprob was asked for."""
-    n = r.prompt_len - 1
-    if r.sampling.input_logprobs_from is not None:
-        n = min(n, max(r.sampling.input_logprobs_from - 1, 0))
-    return n
 
 
 def _round(v: float) -> float | None:
