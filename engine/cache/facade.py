@@ -152,13 +152,7 @@ class HiCache:
                 self.free(own)
             self.unlock(receipt)
             return None
-        # Loaded = the L2 part, then what the match prefetched from L3 into L2.
-        storage = max(0, min(m.l3_len, m.loaded_len - m.l2_len))
-        prefix = m.l1_pages[:(m.l1_len + m.loaded_len) // p]
-        return Admission(rid, namespace, np.concatenate([prefix, own]), len(prefix), receipt,
-                         load if load is not None and load.ops else None,
-                         device_len=m.l1_len, host_len=m.loaded_len - storage,
-                         storage_len=storage, hashes=m.hashes)
+        return Admission.of_match(m, receipt, own, load, p)
 
     # ------------------------------------------------------------------ match / lock
     def match(self, tokens: Sequence[int] | np.ndarray, namespace: str | None = None,

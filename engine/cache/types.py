@@ -145,6 +145,19 @@ class Admission:
         """Tokens whose KV the request reuses (``device_len + host_len + storage_len``)."""
         return self.device_len + self.host_len + self.storage_len
 
+    @classmethod
+    def of_match(cls, m: "MatchResult", receipt: LockReceipt, own: np.ndarray,
+                 load: "LoadHandle | None", page_size: int) -> "Admission":
+        """The admission of a locked, loaded-back match plus the request's own pages: the page
+        table is the resident prefix (L1, then what was loaded: the L2 part, then what the
+        match prefetched from L3 into L2), then ``own``."""
+        storage = max(0, min(m.l3_len, m.loaded_len - m.l2_len))
+        prefix = m.l1_pages[:(m.l1_len + m.loaded_len) // page_size]
+        return cls(m.rid, m.namespace, np.concatenate([prefix, own]), len(prefix), receipt,
+                   load if load is not None and load.ops else None,
+                   device_len=m.l1_len, host_len=m.loaded_len - storage, storage_len=storage,
+                   hashes=m.hashes)
+
 
 class LoadHandle:
     """Per-layer completion of the load-backs one request depends on."""

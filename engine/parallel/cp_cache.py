@@ -125,12 +125,7 @@ class CPCache:
                 cache.free(own)
             cache.unlock(receipt)
             return None
-        storage = max(0, min(m.l3_len, m.loaded_len - m.l2_len))
-        prefix = m.l1_pages[:(m.l1_len + m.loaded_len) // p]
-        return Admission(rid, namespace, np.concatenate([prefix, own]), len(prefix), receipt,
-                         load if load is not None and load.ops else None,
-                         device_len=m.l1_len, host_len=m.loaded_len - storage,
-                         storage_len=storage, hashes=m.hashes)
+        return Admission.of_match(m, receipt, own, load, p)
 
     def poll(self, limits: dict | None = None) -> dict[str, int]:
         """Commit finished transfers. With a process group, the ranks first agree on how many
