@@ -124,3 +124,22 @@ def test_a_dead_stage_stops_the_server_cleanly():
         assert time.monotonic() - t0 < 30
     finally:
         h.stop()
+
+
+@pytest.mark.parametrize("writer,reader", [(2, 1), (1, 2)])
+def test_a_store_written_by_one_pipeline_shape_serves_another(one_stage, tmp_path, writer, reader):
+    """The unified L3 layout names objects by layer range, not by stage: a store written by
+    --pp 2 is hit by --pp 1 and the reverse (docs/storage.md, docs/parallelism.md §4)."""
+    store = dict(hicache_storage_backend="file", hicache_storage_dir=str(tmp_path / "l3"),
+                 hicache_storage_prefetch_policy="wait_complete")
+    h = serve(pp=writer, **store)
+    try:
+        assert generate(h.url, PROMPTS[0])[0] == one_stage[0][0]
+    finally:
+        h.stop()
+    h = serve(pp=reader, **store)
+    try:
+        out, details = generate(h.url, PROMPTS[0])
+    finally:
+        h.stop()
+    assert out == one_stage[0][0] and details["storage"] > 0, details
