@@ -45,3 +45,31 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if _is_mooncake_test(item):
                 item.add_marker(skip_mc)
+
+
+# -- L3 backends: one contract, every implementation (memory, file, a real mooncake_master) --------
+@pytest.fixture(scope="module")
+def master(tmp_path_factory):
+    from tests.mooncake_master import MooncakeMaster
+
+    m = MooncakeMaster(tmp_path_factory.mktemp("mooncake")).start()
+    yield m
+    m.stop()
+
+
+@pytest.fixture(scope="module", params=["memory", "file", "mooncake"])
+def backend(request, tmp_path_factory):
+    """Each L3 backend in turn (module-scoped: the tests use fresh keys)."""
+    from engine.storage.backends.file import FileBackend
+    from engine.storage.backends.memory import MemoryBackend
+    from engine.storage.backends.mooncake import MooncakeBackend
+    from engine.storage.config import FileStoreConfig
+
+    if request.param == "memory":
+        b = MemoryBackend()
+    elif request.param == "file":
+        b = FileBackend(FileStoreConfig(dir=str(tmp_path_factory.mktemp("store"))))
+    else:
+        b = MooncakeBackend(request.getfixturevalue("master").config())
+    yield b
+    b.close()

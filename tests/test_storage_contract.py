@@ -14,35 +14,11 @@ from engine.cache.pool import HostPool
 from engine.core.hashing import namespace_seed, page_hashes
 from engine.core.layout import KVLayout
 from engine.storage import GetStatus, L3Store
-from engine.storage.backends.file import FileBackend
-from engine.storage.backends.memory import MemoryBackend
-from engine.storage.backends.mooncake import MooncakeBackend
-from engine.storage.config import FileStoreConfig
 from engine.storage.placement import Placement
 from formats.kvobject import KVObjectCodec
-from tests.mooncake_master import MooncakeMaster
 
 LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=8, page_size=4)   # 1 KiB pages
 ONE_OBJECT = Placement(grid="layers=2,heads=2")   # a page is one object (a 1×1 grid)
-
-
-@pytest.fixture(scope="module")
-def master(tmp_path_factory):
-    m = MooncakeMaster(tmp_path_factory.mktemp("mooncake")).start()
-    yield m
-    m.stop()
-
-
-@pytest.fixture(scope="module", params=["memory", "file", "mooncake"])
-def backend(request, tmp_path_factory):
-    if request.param == "memory":
-        b = MemoryBackend()
-    elif request.param == "file":
-        b = FileBackend(FileStoreConfig(dir=str(tmp_path_factory.mktemp("store"))))
-    else:
-        b = MooncakeBackend(request.getfixturevalue("master").config())
-    yield b
-    b.close()
 
 
 def new_key(tag: str = "") -> str:

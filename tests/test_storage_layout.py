@@ -17,37 +17,13 @@ from engine.cache.pool import HostPool
 from engine.core.hashing import namespace_seed, page_hashes
 from engine.core.layout import KVLayout, pp_layer_range, tp_head_range
 from engine.storage import L3Store
-from engine.storage.backends.file import FileBackend
-from engine.storage.backends.memory import MemoryBackend
-from engine.storage.backends.mooncake import MooncakeBackend
-from engine.storage.config import FileStoreConfig
 from engine.storage.keys import object_key
 from engine.storage.placement import Grid, Placement, StorageLayout, describe_object
-from tests.mooncake_master import MooncakeMaster
 
 MODEL = KVLayout(num_layers=4, kv_heads=4, head_dim=8, page_size=4)
 MLA = KVLayout(num_layers=4, kv_heads=1, head_dim=16, page_size=4, kv_kinds=1)
 PAGES = 5
 GRID_TP4_PP2 = Placement(grid="tp=4,pp=2")       # cells: 2 layers x 1 kv-head
-
-
-@pytest.fixture(scope="module")
-def master(tmp_path_factory):
-    m = MooncakeMaster(tmp_path_factory.mktemp("mooncake")).start()
-    yield m
-    m.stop()
-
-
-@pytest.fixture(scope="module", params=["memory", "file", "mooncake"])
-def backend(request, tmp_path_factory):
-    if request.param == "memory":
-        b = MemoryBackend()
-    elif request.param == "file":
-        b = FileBackend(FileStoreConfig(dir=str(tmp_path_factory.mktemp("store"))))
-    else:
-        b = MooncakeBackend(request.getfixturevalue("master").config())
-    yield b
-    b.close()
 
 
 def chain(model: KVLayout, n: int = PAGES):
