@@ -116,7 +116,7 @@ class HiCache:
     # ------------------------------------------------------------------ admission
     def admit(self, tokens: Sequence[int] | np.ndarray, namespace: str | None = None, *,
               rid: Any = None, priority: int = 0, extra_pages: int = 0,
-              reuse: bool = True) -> Admission | None:
+              reuse: bool = True, place: Any = None) -> Admission | None:
         """Admit a request in one all-or-nothing step: match → lock → alloc → load-back.
 
         Reserves the request's L1 page table: one page per page of ``tokens`` (the last one may
@@ -128,25 +128,29 @@ class HiCache:
         Returns ``None`` when L1 has no room even after eviction; then nothing is held (one
         rollback path: the own pages are freed and the prefix unlocked). ``reuse=False``
         allocates the page table without looking at the cache (no match, no lock).
+        ``place(m)`` (``m`` the locked match, ``None`` without reuse) returns ``alloc(n, at)``,
+        which allocates the ``n`` pages from page ``at`` of the table on (a CP group keeps its
+        owner rotation, ``engine.parallel.cp_cache``); default: plain :meth:`alloc`.
         """
         p = self.page_size
         total = -(-len(tokens) // p) + extra_pages
         if not reuse:
             try:
-                own = self.alloc(total)
+                own = place(None)(total, 0) if place else self.alloc(total)
             except OutOfCapacity:
                 return None
             return Admission(rid, namespace, own, 0, None, None)
         m = self.match(tokens, namespace, rid=rid, priority=priority)
         receipt = self.lock(m)
-        below = (m.l2_len + m.l3_len) // p   # pages past the L1 hit: L2 (+ L3 prefetched)
+        alloc_at = place(m) if place else (lambda n, at: self.alloc(n))
+        resident = m.l1_len // p + (m.l2_len + m.l3_len) // p   # L1 hit, then L2 (+ L3 prefetched)
         own = None
         try:
-            own = self.alloc(total - m.l1_len // p - below)
+            own = alloc_at(total - resident, resident)
             load = self.load_back(m)
-            missing = below - m.loaded_len // p   # no room to load back: computed instead
+            missing = resident - (m.l1_len + m.loaded_len) // p   # no room to load back: computed
             if missing:
-                own = np.concatenate([self.alloc(missing), own])
+                own = np.concatenate([alloc_at(missing, resident - missing), own])
         except OutOfCapacity:
             if own is not None:
                 self.free(own)

@@ -28,7 +28,6 @@ from engine.cache.facade import HiCache
 from engine.cache.policy import EvictionPolicy
 from engine.cache.radix_tree import Node
 from engine.cache.types import Admission, CacheConfig, LockReceipt, MatchResult, as_tokens
-from engine.core.errors import OutOfCapacity
 from engine.parallel.cp import CPShape, OwnerAllocator
 from formats.ranklog_events import CP_ALLOC, CP_CUT
 
@@ -98,34 +97,12 @@ class CPCache:
               extra_pages: int = 0, reuse: bool = True) -> Admission | None:
         """:meth:`HiCache.admit` (all or nothing: match, lock, allocate, load back) with every
         page the request allocates continuing the owner rotation of its prefix."""
-        cache, p = self.cache, self.cache.page_size
-        total = -(-len(tokens) // p) + extra_pages
-        if not reuse:
-            try:
-                own = self._alloc_rotation(total, cache.l1_alloc.fresh_owner(), rid)
-            except OutOfCapacity:
-                return None
-            return Admission(rid, namespace, own, 0, None, None)
-        m = cache.match(tokens, namespace, rid=rid, priority=priority)
-        receipt = cache.lock(m)
-        start = self._start(m)
-        n1 = m.l1_len // p
-        below = (m.l2_len + m.l3_len) // p   # pages past the L1 hit: L2 (+ L3 prefetched)
-        own = None
-        try:
-            own = self._alloc_rotation(total - n1 - below,
-                                       self.shape.next_owner(start, n1 + below), rid)
-            load = cache.load_back(m)        # restored pages keep their owners
-            missing = below - m.loaded_len // p
-            if missing:                      # no room to load back: computed, same owners
-                own = np.concatenate([self._alloc_rotation(
-                    missing, self.shape.next_owner(start, n1 + below - missing), rid), own])
-        except OutOfCapacity:
-            if own is not None:
-                cache.free(own)
-            cache.unlock(receipt)
-            return None
-        return Admission.of_match(m, receipt, own, load, p)
+        def place(m: MatchResult | None):
+            start = self.cache.l1_alloc.fresh_owner() if m is None else self._start(m)
+            return lambda n, at: self._alloc_rotation(n, self.shape.next_owner(start, at), rid)
+
+        return self.cache.admit(tokens, namespace, rid=rid, priority=priority,
+                                extra_pages=extra_pages, reuse=reuse, place=place)
 
     def poll(self, limits: dict | None = None) -> dict[str, int]:
         """Commit finished transfers. With a process group, the ranks first agree on how many
