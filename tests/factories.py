@@ -71,3 +71,26 @@ def serve(cache: HiCache, tokens, namespace=None, rid=None, check_kv: bool = Tru
     cache.unlock(receipt)
     cache.poll()
     return m
+
+
+# -- L3 store tests: a small page layout, fresh hash chains, host pools of it -------------------
+STORE_LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=8, page_size=4)
+
+
+def page_chain(n: int):
+    """Hashes of ``n`` pages under a fresh namespace (keys no earlier test stored)."""
+    import uuid
+
+    from engine.core.hashing import namespace_seed, page_hashes
+
+    return page_hashes(np.arange(n * 4), 4, seed=namespace_seed(uuid.uuid4().hex))
+
+
+def store_pool(fill: bool = True):
+    """A page_first host pool of 8 pages of :data:`STORE_LAYOUT`, random bytes when ``fill``."""
+    from engine.cache.pool import HostPool
+
+    p = HostPool(STORE_LAYOUT, 8, host_layout="page_first")
+    if fill:
+        p.buf.copy_(torch.randn(p.buf.shape, generator=torch.Generator().manual_seed(1)))
+    return p

@@ -5,35 +5,23 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 
-import numpy as np
 import pytest
 import torch
 
-from engine.cache.pool import HostPool
 from engine.core.errors import StorageError
-from engine.core.hashing import namespace_seed, page_hashes
-from engine.core.layout import KVLayout
 from engine.storage import L3Store, StorageConfig, make_backend
 from engine.storage.backends.mooncake import MooncakeBackend
 from engine.storage.config import MooncakeStoreConfig
 from engine.storage.placement import Placement
+from tests.factories import STORE_LAYOUT as LAYOUT
+from tests.factories import page_chain as chain
+from tests.factories import store_pool as pool
 from tests.mooncake_master import MooncakeMaster, free_port
 
-LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=8, page_size=4)
 ONE_OBJECT = Placement(grid="layers=2,heads=2")   # a page is one object (a 1×1 grid)
 
 
-def chain(n: int):
-    return page_hashes(np.arange(n * 4), 4, seed=namespace_seed(uuid.uuid4().hex))
-
-
-def pool(fill: bool = True) -> HostPool:
-    p = HostPool(LAYOUT, 8, host_layout="page_first")
-    if fill:
-        p.buf.copy_(torch.randn(p.buf.shape, generator=torch.Generator().manual_seed(1)))
-    return p
 
 
 def test_unreachable_master_fails_fast_with_a_clear_error():

@@ -13,31 +13,16 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 
-import numpy as np
 import pytest
 import torch
 
-from engine.cache.pool import HostPool
-from engine.core.hashing import namespace_seed, page_hashes
-from engine.core.layout import KVLayout
 from engine.storage import L3Store, StorageConfig
 from engine.storage.config import FileStoreConfig
+from tests.factories import STORE_LAYOUT as LAYOUT
+from tests.factories import page_chain as chain
+from tests.factories import store_pool as pool
 from tests.mooncake_master import MooncakeMaster
-
-LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=8, page_size=4)
-
-
-def chain(n: int):
-    return page_hashes(np.arange(n * 4), 4, seed=namespace_seed(uuid.uuid4().hex))
-
-
-def pool(fill: bool = True) -> HostPool:
-    p = HostPool(LAYOUT, 8, host_layout="page_first")
-    if fill:
-        p.buf.copy_(torch.randn(p.buf.shape, generator=torch.Generator().manual_seed(1)))
-    return p
 
 
 def bounded(fn, timeout_s: float = 20.0):
