@@ -179,8 +179,13 @@ class L3Tier:
                  pin: Callable[[Any, int], None], touch: Callable[[Any], None],
                  evict_l2: Callable[[int], int], op_ids: Iterator[OpId],
                  prefetch_policy: "str | PrefetchPolicy" = PrefetchPolicy.WAIT_COMPLETE,
-                 prefetch_timeout: float = 1.0):
+                 prefetch_timeout: float = 1.0,
+                 agree: Callable[[list[int]], list[int]] | None = None):
         self.impl = impl
+        # Several ranks holding shards of the same pages (TP) must take the same L3 decisions
+        # although each reads and writes its own objects: ``agree(counts)`` returns the
+        # element-wise minimum over the ranks (None: a single rank, decide alone).
+        self._agree = agree
         self.page_size = page_size
         self.policy = PrefetchPolicy.parse(prefetch_policy)
         self.timeout = prefetch_timeout
@@ -267,6 +272,8 @@ class L3Tier:
         p = self.page_size
         started = time.monotonic()
         n3 = self.exists_prefix(hashes[start:])
+        if self._agree is not None:        # the pages every rank's store holds
+            n3 = self._agree([n3])[0]
         alloc = self._l2_alloc
         if n3 == 0 or alloc is None:
             return 0
@@ -284,7 +291,12 @@ class L3Tier:
                           payload=(parent, toks[start * p:(start + n) * p].copy(), rid))
         self._events.emit(EV.RESTORE, op=job.op_id, rid=rid, pages=int(n), src="l3")
         self._cache_counters["prefetch_pages_issued"] += n
-        if self.wait(job, started):
+        done = self.wait(job, started)
+        if self._agree is not None:        # committed now only where every rank has it
+            done = bool(self._agree([int(done)])[0])
+            if done:
+                job.event.wait()
+        if done:
             self.take_done(lambda j: j is job)
             node = self._commit(job)
             if node is not None:
@@ -298,7 +310,10 @@ class L3Tier:
             self._cache_counters["l3_errors"] += 1
         if job.kind == "put":
             node = job.payload
-            if job.error is None and int(job.result) == len(job.hashes):
+            ok = job.error is None and int(job.result) == len(job.hashes)
+            if self._agree is not None:
+                ok = bool(self._agree([int(ok)])[0])
+            if ok:
                 # The node may have been split while the put was in flight: its pages are now
                 # the last len(hashes) pages of the path ending at it, spread over ancestors.
                 left, cur = len(job.hashes), node
@@ -314,6 +329,8 @@ class L3Tier:
         p = self.page_size
         tree = self._tree
         n_ok = int(job.result or 0)
+        if self._agree is not None:        # the pages every rank fetched
+            n_ok = self._agree([n_ok])[0]
         pages = job.pages
         node = None
         alive = parent.parent is not None or tree.roots.get(parent.namespace) is parent
@@ -346,7 +363,16 @@ class L3Tier:
             self._commit(job)
 
     def poll(self) -> int:
-        done = self.take_done()
+        if self._agree is not None:
+            if not self.inflight:          # the same jobs in flight on every rank
+                return 0
+            n = 0
+            while n < len(self.inflight) and self.inflight[n].event.is_set():
+                n += 1
+            n = self._agree([n])[0]        # the leading jobs every rank has finished
+            done = [self.inflight.popleft() for _ in range(n)]
+        else:
+            done = self.take_done()
         for job in done:
             self._commit(job)
         return len(done)

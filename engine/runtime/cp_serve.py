@@ -56,6 +56,7 @@ class RankScheduler(Scheduler):
         self.leader = leader
         self.dead_ranks = dead_ranks
         self.halted = False
+        self.group_name = "CP"      # in messages: the kind of group (CP or TP)
         self._broken = False
         self._stepping = False
         self._pending: list = []
@@ -72,9 +73,10 @@ class RankScheduler(Scheduler):
                     break
                 threading.Event().wait(0.1)
             if dead:
-                raise RankFailed(f"{dead[0]}; the CP group cannot continue") from exc
-            raise RankFailed(f"a CP collective failed ({type(exc).__name__}: {exc}); a rank "
-                             f"died or hung") from exc
+                raise RankFailed(f"{dead[0]}; the {self.group_name} group cannot continue") \
+                    from exc
+            raise RankFailed(f"a {self.group_name} collective failed ({type(exc).__name__}: "
+                             f"{exc}); a rank died or hung") from exc
 
     def step(self, block: bool = False) -> bool:
         if self.leader:
@@ -168,18 +170,18 @@ def init_group(rank: int, world: int, addr: str, timeout_s: float) -> None:
 class Followers:
     """The leader's handle on ranks 1…N-1: spawns them, watches them, names the dead."""
 
-    def __init__(self, cfg, world: int, timeout_s: float = 60.0):
+    def __init__(self, cfg, world: int, timeout_s: float = 60.0, label: str = "CP"):
         import torch.multiprocessing as mp
 
         self.addr = f"127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")
         self.procs = [ctx.Process(target=follower_main, args=(r, world, self.addr, cfg,
                                                               timeout_s),
-                                  name=f"hicache-cp-rank{r}", daemon=True)
+                                  name=f"hicache-{label.lower()}-rank{r}", daemon=True)
                       for r in range(1, world)]
         for p in self.procs:
             p.start()
-            log.info("CP rank %d: pid %d", self.procs.index(p) + 1, p.pid)
+            log.info("%s rank %d: pid %d", label, self.procs.index(p) + 1, p.pid)
         self._watch: threading.Thread | None = None
 
     def dead(self) -> list[str]:
@@ -223,6 +225,6 @@ def follower_main(rank: int, world: int, addr: str, cfg, timeout_s: float) -> No
         while not sched.halted:
             sched.step(block=False)
     except RankFailed as exc:
-        log.error("CP rank %d: %s", rank, exc)
+        log.error("rank %d: %s", rank, exc)
     finally:
         engine.stop()

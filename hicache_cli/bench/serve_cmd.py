@@ -135,6 +135,9 @@ CollectiveTimeout = Annotated[float, _O("--collective-timeout", help="Seconds a 
 Cp = Annotated[int, _O("--cp", min=1, help="Context-parallel ranks: one process each, KV pages "
                        "sharded by owner, --l1-tokens/--l2-tokens per rank "
                        "(docs/parallelism.md).")]
+Tp = Annotated[int, _O("--tp", min=1, max=8, help="Tensor-parallel ranks: one process each, "
+                       "attention heads and the MLP split over them, each rank's KV pools "
+                       "holding its kv-heads (docs/parallelism.md). Not with --cp yet.")]
 Level = Annotated[LogLevel, _O("--log-level", help="Server log verbosity (stderr).")]
 
 
@@ -158,7 +161,7 @@ def serve_cmd(
     pd_addr: PdAddr = "127.0.0.1:0", pd_decode_reuse: PdReuse = "on",
     pd_transfer_timeout: PdTimeout = 30.0, pd_inject_fault: PdFault = None, pp: Pp = 1,
     pp_sync: PpSync = True, transfer_delay: TransferDelay = None,
-    collective_timeout: CollectiveTimeout = 60.0, cp: Cp = 1,
+    collective_timeout: CollectiveTimeout = 60.0, cp: Cp = 1, tp: Tp = 1,
     log_level: Level = LogLevel.warning, fmt: Format = OutputFormat.human,
 ) -> None:
     """Run the benchmark server until Ctrl-C / SIGTERM (--format json: also one JSON line with
@@ -247,7 +250,7 @@ def _server_config(o: dict):
             pd_decode_reuse=o["pd_decode_reuse"] == "on",
             pd_transfer_timeout=o["pd_transfer_timeout"], pd_inject_fault=o["pd_inject_fault"],
             pp=o["pp"], pp_sync=o["pp_sync"], debug_transfer_delay=o["transfer_delay"],
-            collective_timeout_s=o["collective_timeout"], cp=o["cp"])
+            collective_timeout_s=o["collective_timeout"], cp=o["cp"], tp=o["tp"])
 
 
 def _dump_path(dump_tree_on_exit: Optional[str]) -> Optional[Path]:

@@ -82,6 +82,10 @@ class Model:
                  exact: bool | None = None):
         self.cfg = cfg
         self.stage: tuple[int, int] | None = None   # pipeline stage: (first layer, all layers)
+        # tensor parallelism (engine.runtime.model.tp): (rank, size, first kv-head, all
+        # kv-heads) and the all-reduce that completes the row-parallel projections
+        self.tp: tuple[int, int, int, int] | None = None
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.device = torch.device(device)
         self.dtype = torch_dtype(cfg.dtype)
         self.w = weights.to(self.device, self.dtype)
@@ -100,13 +104,21 @@ class Model:
         return self.cfg.name
 
     def kv_layout(self, page_size: int) -> KVLayout:
-        """What one page of this model's KV holds; a pipeline stage's layers sit at their place
-        in the whole model (``layer_start``/``total_layers``), so their L3 keys are its own."""
+        """What one page of this model's KV holds; a pipeline stage's layers and a TP rank's
+        kv-heads sit at their place in the whole model (``layer_start``/``total_layers``,
+        ``head_start``/``total_kv_heads``), so their L3 keys are their own."""
         layout = self.cfg.kv_layout(page_size)
-        if self.stage is None:
-            return layout
-        lo, total = self.stage
-        return dataclasses.replace(layout, layer_start=lo, total_layers=total)
+        if self.stage is not None:
+            lo, total = self.stage
+            layout = dataclasses.replace(layout, layer_start=lo, total_layers=total)
+        if self.tp is not None:
+            _, _, h0, heads = self.tp
+            layout = dataclasses.replace(layout, head_start=h0, total_kv_heads=heads)
+        return layout
+
+    def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's output summed over the TP group (as is without TP)."""
+        return partial if self.reduce is None else self.reduce(partial)
 
     # -- forward ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -166,11 +178,12 @@ class Model:
                 attn = self._mla(lw, li, h, cos, sin, io, bounds, pos, hooks)
             else:
                 attn = self._gqa(lw, li, h, cos, sin, io, bounds, pos, hooks)
-            x = x + ops.linear(attn, lw.wo, self.exact)
+            x = x + self._reduced(ops.linear(attn, lw.wo, self.exact))
             h = ops.rms_norm(x, lw.mlp_norm, cfg.rms_eps)
             gu = ops.linear(h, lw.w_gate_up, self.exact)
             g, u = gu.split(cfg.intermediate, dim=-1)
-            x = x + ops.linear(torch.nn.functional.silu(g) * u, lw.w_down, self.exact)
+            x = x + self._reduced(ops.linear(torch.nn.functional.silu(g) * u, lw.w_down,
+                                             self.exact))
 
         if hidden_out:
             return x

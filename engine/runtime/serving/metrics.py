@@ -106,10 +106,10 @@ def render(m: SchedulerMetrics, cache_stats: dict[str, Any], running: int, waiti
     fam = w.family("pool_capacity_tokens", "gauge", "Capacity of each pool in tokens.")
     w.sample(fam, cache_stats.get("l1_capacity_tokens", 0), {"tier": "device"})
     w.sample(fam, cache_stats.get("l2_capacity_tokens", 0), {"tier": "host"})
-    cp = cache_stats.get("cp") or {}
+    cp = cache_stats.get("cp") or cache_stats.get("tp") or {}
     if cp.get("l1_kv_bytes_per_rank") is not None:
-        fam = w.family("kv_bytes", "gauge", "KV bytes held per CP rank and tier (a rank holds "
-                       "only the pages it owns).")
+        fam = w.family("kv_bytes", "gauge", "KV bytes held per rank and tier (a CP rank holds "
+                       "only the pages it owns, a TP rank only its kv-heads).")
         for tier, key in (("device", "l1_kv_bytes_per_rank"), ("host", "l2_kv_bytes_per_rank")):
             for r, b in enumerate(cp.get(key) or []):
                 w.sample(fam, b, {"rank": str(r), "tier": tier})

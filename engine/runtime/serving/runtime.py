@@ -83,10 +83,15 @@ class ServerConfig:
     debug_transfer_delay: str | None = None  # "STAGE:MS[,STAGE:MS]": slow one stage's copies
     collective_timeout_s: float = 60.0     # a stage silent this long stops the server
     cp: int = 1                        # context-parallel ranks (one process each; KV sharded)
+    tp: int = 1                        # tensor-parallel ranks (one process each; heads sharded)
 
     def __post_init__(self) -> None:
         if self.cp < 1:
             raise ValueError(f"--cp must be >= 1, got {self.cp}")
+        if not 1 <= self.tp <= 8:
+            raise ValueError(f"--tp must be 1..8, got {self.tp}")
+        if self.tp > 1:
+            self._check_tp()
         if self.cp > 1 and (self.speculative_num_draft_tokens or self.hicache_storage_backend
                             or self.hicache_storage_backend_config or self.pp > 1
                             or self.disaggregation is not None):
@@ -151,6 +156,23 @@ class ServerConfig:
 
             parse_spec(self.inject_divergence)
 
+    def _check_tp(self) -> None:
+        if self.cp > 1:
+            raise ValueError("--tp > 1 does not combine with --cp yet (use one of them)")
+        if self.pp > 1 or self.disaggregation is not None or self.speculative_num_draft_tokens:
+            raise ValueError("--tp > 1 does not combine with --pp, P/D disaggregation or "
+                             "speculative decoding yet")
+        from engine.runtime.model.config import PRESETS
+        from engine.runtime.model.tp import check_tp
+
+        if self.model in PRESETS:     # other models are checked once loaded
+            check_tp(PRESETS[self.model], self.tp)
+
+    @property
+    def ranks(self) -> int:
+        """Processes of the CP or TP group (1: a single process)."""
+        return self.cp * self.tp
+
     def spec_config(self) -> Any:
         """The speculative-decoding settings, or None when off (checks the options)."""
         from engine.runtime.model.draft import draft_preset
@@ -212,24 +234,44 @@ class Engine:
                  cp_addr: str | None = None):
         """``stage``: this process's pipeline stage (``cfg.pp`` > 1); stage 0 starts the others
         (engine.runtime.pipeline) and serves HTTP. ``cp_rank``/``cp_addr``: a follower rank of
-        a CP group (``cfg.cp`` > 1, engine.runtime.cp_serve); rank 0 spawns the followers."""
+        a CP or TP group (``cfg.cp`` or ``cfg.tp`` > 1, engine.runtime.cp_serve /
+        engine.runtime.tp_serve); rank 0 spawns the followers."""
         self.cfg = cfg
         self.stage = stage
         self.stage_procs: list = []
         self.cp_rank = cp_rank
         self.followers = None
-        self.failure: str | None = None      # why a CP group stopped (a rank died or hung)
-        if cfg.cp > 1:
+        self.failure: str | None = None      # why a CP/TP group stopped (a rank died or hung)
+        self.device = resolve_device(cfg.device)
+        backend = None                  # of the TP all-reduce
+        if cfg.tp > 1:
+            from engine.runtime.tp_serve import rank_device, reduce_backend
+
+            backend = reduce_backend(self.device, cfg.tp)
+            self.device = rank_device(self.device, cp_rank, backend)
+        self.model: Model = load_model(cfg.model, self.device, seed=cfg.seed, exact=cfg.exact)
+        if cfg.tp > 1:                  # a shape that does not split: said before spawning
+            from engine.core.errors import UsageError
+            from engine.runtime.model.tp import check_tp
+
+            try:
+                check_tp(self.model.cfg, cfg.tp)
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
+        if cfg.ranks > 1:
             from engine.runtime.cp_serve import Followers, init_group
 
             if cp_rank == 0:
-                self.followers = Followers(cfg, cfg.cp, cfg.collective_timeout_s)
+                self.followers = Followers(cfg, cfg.ranks, cfg.collective_timeout_s,
+                                           label="TP" if cfg.tp > 1 else "CP")
                 cp_addr = self.followers.addr
-            init_group(cp_rank, cfg.cp, cp_addr, cfg.collective_timeout_s)
-        self.device = resolve_device(cfg.device)
+            init_group(cp_rank, cfg.ranks, cp_addr, cfg.collective_timeout_s)
+        if cfg.tp > 1:
+            from engine.runtime.tp_serve import shard_model
+
+            self.model = shard_model(self.model, cp_rank, cfg.tp, backend)
         if cfg.pp > 1 and stage == 0:
             self._start_stages(cfg)
-        self.model: Model = load_model(cfg.model, self.device, seed=cfg.seed, exact=cfg.exact)
         if cfg.pp > 1:
             from engine.runtime.pipeline import stage_model
 
@@ -261,7 +303,12 @@ class Engine:
             write_policy=cfg.write_policy, write_through_threshold=cfg.write_through_threshold,
             eviction_policy=cfg.eviction_policy, host_layout=cfg.host_layout,
             device=self.device, layout=layout, sidecar=sidecar)
-        if cfg.cp > 1:
+        if cfg.tp > 1:
+            from engine.runtime.tp_serve import tp_cache
+
+            self.cache = tp_cache(HiCache(cache_cfg, events=self._event_log(cfg, tp_rank=cp_rank)),
+                                  self.model, cfg, cp_rank)
+        elif cfg.cp > 1:
             import torch.distributed as dist
 
             from engine.parallel.cp_cache import CPCache
@@ -297,13 +344,16 @@ class Engine:
             self.scheduler: Scheduler = PipelineScheduler(
                 self.model, self.cache, sched_cfg, stage=stage, num_stages=cfg.pp,
                 pp_sync=cfg.pp_sync, timeout_s=cfg.collective_timeout_s)
-        elif cfg.cp > 1:
+        elif cfg.ranks > 1:
             from engine.runtime.cp_serve import RankScheduler, broadcast_sync, sharded_source
 
             self.scheduler = RankScheduler(
                 self.model, self.cache, sched_cfg, sync=broadcast_sync(), leader=cp_rank == 0,
                 dead_ranks=self.followers.dead if self.followers else (lambda: []))
-            self.scheduler.kv_source = sharded_source(self.cache, cp_rank)
+            if cfg.cp > 1:
+                self.scheduler.kv_source = sharded_source(self.cache, cp_rank)
+            else:
+                self.scheduler.group_name = "TP"
         else:
             self.scheduler = Scheduler(self.model, self.cache, sched_cfg, draft=self.draft,
                                        spec=spec)
@@ -327,11 +377,14 @@ class Engine:
         return os.path.abspath(d), tmp
 
     @staticmethod
-    def _event_log(cfg: ServerConfig, stage: int = 0, cp_rank: int | None = None) -> EventLog:
+    def _event_log(cfg: ServerConfig, stage: int = 0, cp_rank: int | None = None,
+                   tp_rank: int | None = None) -> EventLog:
         keep = cfg.record_events or cfg.rank_log_dir is not None
         rank = RankInfo(rank=stage, world_size=cfg.pp, pp_rank=stage, pp_size=cfg.pp)
         if cp_rank is not None:
             rank = RankInfo(rank=cp_rank, world_size=cfg.cp, cp_rank=cp_rank, cp_size=cfg.cp)
+        if tp_rank is not None:
+            rank = RankInfo(rank=tp_rank, world_size=cfg.tp, tp_rank=tp_rank, tp_size=cfg.tp)
         log_ = EventLog(rank, enabled=keep or bool(cfg.inject_divergence), keep=keep)
         if cfg.inject_divergence:
             from engine.parallel.divergence import install
@@ -440,7 +493,7 @@ class Engine:
 
     def flush(self) -> None:
         """Drop every unlocked page (on every pipeline stage). Call on the scheduler thread."""
-        if self.cfg.pp > 1 or self.cfg.cp > 1:
+        if self.cfg.pp > 1 or self.cfg.ranks > 1:
             self.scheduler.request_flush()
         else:
             self.cache.flush()
@@ -469,7 +522,7 @@ class Engine:
             self.cache.events.write(path)
             log.info("rank log written to %s", path)
         self.cache.close()
-        if self.cfg.cp > 1:
+        if self.cfg.ranks > 1:
             import torch.distributed as dist
 
             if dist.is_initialized():

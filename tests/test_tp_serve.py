@@ -1,0 +1,102 @@
+"""``hicache bench serve --tp 2``: two rank processes behind one HTTP front end, each with half
+the heads, half the MLP and KV pools holding its kv-head. Greedy outputs equal ``--tp 1`` for
+fresh prompts, device hits and prefixes restored from host memory (tokens compared: the
+all-reduce sums in another order than one rank's products, see engine.runtime.model.tp);
+``/metrics`` shows each rank's KV bytes (half a single rank's per token); the ranks' logs are
+consistent; a killed rank turns ``/health`` unhealthy and stops the server naming it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+
+import pytest
+import requests
+from typer.testing import CliRunner
+
+from engine.runtime.model import preset
+from engine.runtime.serving import ServerConfig
+from hicache_cli.app import app
+from tests.test_cp_serve import SCRIPT, _gen, _prompt, _spawn
+
+
+def _kv_bytes(metrics: str) -> dict:
+    return {(m[0], m[1]): int(float(m[2])) for m in re.findall(
+        r'hicache_kv_bytes\{rank="(\d)",tier="(\w+)"\} (\S+)', metrics)}
+
+
+def _used(metrics: str, tier: str) -> int:
+    return int(float(re.search(rf'hicache_pool_used_tokens\{{tier="{tier}"\}} (\S+)',
+                               metrics).group(1)))
+
+
+def test_tp2_server_equals_tp1_and_its_ranks_agree(tmp_path):
+    one, url1 = _spawn()
+    two, url2 = _spawn("--tp", "2", "--rank-log-dir", str(tmp_path))
+    try:
+        got1 = [_gen(url1, ids) for ids in SCRIPT]
+        got2 = [_gen(url2, ids) for ids in SCRIPT]
+        metrics = requests.get(url2 + "/metrics", timeout=10).text
+    finally:
+        for p in (one, two):
+            p.send_signal(signal.SIGINT)
+        for p in (one, two):
+            _, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err
+    assert [o for o, _ in got2] == [o for o, _ in got1]
+    assert [c for _, c in got2] == [c for _, c in got1]   # the same hits, tier by tier
+    assert got2[2][1]["device"] == 96                     # a device hit …
+    assert got2[-1][1]["host"] > 0                        # … and a prefix back from host memory
+    kv = _kv_bytes(metrics)
+    assert set(kv) == {(r, t) for r in "01" for t in ("device", "host")}
+    per_token = preset("tiny").kv_layout(16).page_bytes // 16 // 2     # one of two kv-heads
+    for tier in ("device", "host"):
+        assert kv[("0", tier)] == kv[("1", tier)] == _used(metrics, tier) * per_token > 0
+    assert sorted(os.listdir(tmp_path)) == ["rank0.ranklog", "rank1.ranklog"]
+    res = CliRunner().invoke(app, ["consensus-check", str(tmp_path), "--format", "json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["consistent"] is True
+
+
+def test_a_killed_tp_rank_stops_the_server_naming_it(tmp_path):
+    log = tmp_path / "server.err"
+    with open(log, "w") as err:
+        proc, url = _spawn("--tp", "2", "--log-level", "info", stderr=err)
+    try:
+        assert _gen(url, _prompt(40, 1))[0]
+        pid = int(re.search(r"TP rank 1: pid (\d+)", log.read_text()).group(1))
+        os.kill(pid, signal.SIGKILL)
+        health = None
+        for _ in range(100):
+            try:
+                h = requests.get(url + "/health", timeout=2)
+            except requests.ConnectionError:
+                break                                   # already gone
+            if h.status_code == 503:
+                health = h.text
+                break
+            time.sleep(0.1)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert proc.returncode == 1                        # a failure, not a clean stop
+    assert "stopped: rank 1 exited" in text and "Traceback" not in text
+    assert health is not None and "rank 1 exited" in health   # unhealthy before it stopped
+
+
+def test_tp_options_that_do_not_fit_are_refused():
+    with pytest.raises(ValueError, match="attention heads do not split"):
+        ServerConfig(tp=3)
+    with pytest.raises(ValueError, match="not combine with --cp"):
+        ServerConfig(tp=2, cp=2)
+    with pytest.raises(ValueError, match="not combine with --pp"):
+        ServerConfig(tp=2, pp=2)
+    with pytest.raises(ValueError, match="1..8"):
+        ServerConfig(tp=9)
+    res = CliRunner().invoke(app, ["bench", "serve", "--tp", "2", "--cp", "2"])
+    assert res.exit_code == 2 and "--cp" in res.output and "Traceback" not in res.output
