@@ -70,9 +70,11 @@ def test_two_stages_equal_one_with_a_delayed_stage(one_stage, tmp_path):
     h = serve(pp=2, debug_transfer_delay="1:20", rank_log_dir=str(tmp_path))
     try:
         got = workload(h.url)
+        flushed = requests.post(h.url + "/flush_cache", timeout=60).json()
     finally:
         h.stop()
     assert [g[0] for g in got] == [o[0] for o in one_stage]
+    assert flushed["l1_used_tokens"] == 0 and flushed["l2_used_tokens"] == 0, flushed
     assert got[1][1]["device"] > 0                    # L1 hit
     assert got[4][1]["host"] > 0                      # restored from L2
     code, report = check(tmp_path)

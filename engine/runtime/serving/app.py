@@ -275,11 +275,8 @@ async def metrics(request: web.Request) -> web.Response:
 async def flush_cache(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
 
-    def flush() -> dict:
-        engine.flush()
-        return engine.cache.stats()
-
-    stats = await _on_scheduler(engine, flush)
+    after = await _on_scheduler(engine, engine.flush)
+    stats = await asyncio.wrap_future(after)
     return web.json_response({"flushed": True, "l1_used_tokens": stats["l1_used_tokens"],
                               "l2_used_tokens": stats["l2_used_tokens"]})
 

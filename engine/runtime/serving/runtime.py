@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -491,12 +492,18 @@ class Engine:
                                 world_size=cfg.pp,
                                 timeout=datetime.timedelta(seconds=cfg.collective_timeout_s))
 
-    def flush(self) -> None:
-        """Drop every unlocked page (on every pipeline stage). Call on the scheduler thread."""
+    def flush(self) -> "concurrent.futures.Future[dict]":
+        """Drop every unlocked page (on every pipeline stage / TP-CP rank). Call on the
+        scheduler thread; the future holds the cache's stats from after the flush. Pipeline
+        and rank groups flush at a step every rank sees, so the stats are read by a call queued
+        behind the flush (it runs at the next step, once the flush is done)."""
         if self.cfg.pp > 1 or self.cfg.ranks > 1:
             self.scheduler.request_flush()
-        else:
-            self.cache.flush()
+            return self.scheduler.call(self.cache.stats)
+        self.cache.flush()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.set_result(self.cache.stats())
+        return fut
 
     def stage_health(self) -> str | None:
         """Why the pipeline is unhealthy (a stage process gone), or None."""
