@@ -8,13 +8,17 @@ import json
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import requests
+import torch
 from typer.testing import CliRunner
 
-from engine.runtime.pipeline import parse_delay, stage_layers
+from engine.cache.pool import DevicePool
+from engine.runtime.model import Chunk, load_model
+from engine.runtime.pipeline import micro_batches, parse_delay, stage_layers, stage_model
 from engine.runtime.serving import ServerConfig, start_server
 from hicache_cli.app import app
 
@@ -145,3 +149,69 @@ def test_a_store_written_by_one_pipeline_shape_serves_another(one_stage, tmp_pat
     finally:
         h.stop()
     assert out == one_stage[0][0] and details["storage"] > 0, details
+
+
+def test_micro_batches_cut_the_batch_in_order():
+    pages = np.arange(8)
+    chunks = [Chunk([5], 9, pages), Chunk(np.arange(10), 0, pages, all_logits=True),
+              Chunk(np.arange(7) + 20, 3, pages), Chunk([6], 4, pages)]
+    for n in (1, 2, 3, 5, 40):
+        mbs = micro_batches(chunks, n)
+        assert 1 <= len(mbs) <= min(n, 19) and all(mbs)
+        pieces = iter(c for mb in mbs for c in mb)
+        for c in chunks:              # each chunk comes back as consecutive pieces, in order
+            toks, start = [], c.start
+            while len(toks) < len(c):
+                piece = next(pieces)
+                assert piece.start == start and piece.all_logits == c.all_logits
+                toks += list(piece.tokens)
+                start += len(piece)
+                assert piece.logits == (len(toks) == len(c))   # only the last piece's logits
+            assert toks == list(c.tokens)
+        assert next(pieces, None) is None
+    assert len(micro_batches(chunks, 2)) == 2
+    assert [len(mb) for mb in micro_batches([Chunk([1], 0, pages)] * 4, 2)] == [2, 2]
+
+
+def test_two_stages_over_micro_batches_compute_what_one_model_does():
+    """The two stage models over cut micro-batches, stage by stage (each with its own KV),
+    give the whole model's logits over the uncut batch, bit for bit."""
+    model = load_model("tiny")
+    s0, s1 = stage_model(model, 0, 2), stage_model(model, 1, 2)
+    pools = [DevicePool(m.kv_layout(16), 64) for m in (model, s0, s1)]
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, n) for n in (70, 33, 5)]
+    tables = [[p.allocator.alloc(-(-len(t) // 16)) for t in prompts] for p in pools]
+
+    def batch(k):
+        return [Chunk(t, 0, tables[k][i], all_logits=i == 1) for i, t in enumerate(prompts)]
+
+    whole = model.forward(batch(0), pools[0].buf, 16)
+    outs = []
+    for mb0, mb1 in zip(micro_batches(batch(1), 3), micro_batches(batch(2), 3)):
+        hidden = s0.forward(mb0, pools[1].buf, 16, hidden_out=True)
+        outs.append(s1.forward(mb1, pools[2].buf, 16, hidden_in=hidden))
+    assert len(outs) == 3 and torch.equal(torch.cat(outs), whole)
+
+
+def test_concurrent_requests_interleave_as_micro_batches(tmp_path):
+    """Several requests at once: the pipeline cuts its steps into micro-batches (stage 1
+    delayed); outputs equal one stage's, the stages' logs agree."""
+    prompts = [np.random.default_rng(10 + i).integers(0, 256, n).tolist()
+               for i, n in enumerate((150, 40, 90, 60))]
+
+    def run(**kw):
+        h = serve(**kw)
+        try:
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                outs = list(pool.map(lambda p: generate(h.url, p)[0], prompts + prompts))
+            return outs, getattr(h.engine.scheduler, "mb_stats", None)
+        finally:
+            h.stop()
+
+    want, _ = run()
+    got, stats = run(pp=2, debug_transfer_delay="1:20", rank_log_dir=str(tmp_path))
+    assert got == want
+    assert stats["split_steps"] > 0 and stats["micro_batches"] > stats["steps"], stats
+    code, report = check(tmp_path)
+    assert code == 0, report

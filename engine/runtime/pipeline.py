@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from engine.parallel.pp_sync import PPSync, adjacent_groups, links_for
-from engine.runtime.model import Model
+from engine.runtime.model import Chunk, Model
 from engine.runtime.model.weights import ModelWeights
 from engine.runtime.scheduler.core import FinishReason, Scheduler
 from engine.runtime.scheduler.params import SamplingParams
@@ -76,13 +76,44 @@ def parse_delay(spec: str | None, num_stages: int) -> dict[int, float]:
     return out
 
 
+def micro_batches(chunks: list[Chunk], n: int) -> list[list[Chunk]]:
+    """Cut a step's chunks into at most ``n`` micro-batches of about equal token counts, in
+    order. A prefill chunk may be cut in two (or more): its earlier pieces ask for no logits
+    (``all_logits`` pieces keep theirs, so the rows still come out in chunk order); a piece's
+    attention sees the KV its predecessors wrote, as chunked prefill does, so the result is
+    the uncut chunk's. Decode chunks (one token) are never cut."""
+    total = sum(len(c) for c in chunks)
+    n = max(1, min(n, total))
+    if n == 1:
+        return [list(chunks)]
+    out: list[list[Chunk]] = [[]]
+    placed = 0
+    for c in chunks:
+        off = 0
+        while off < len(c):
+            room = (len(out) * total) // n - placed
+            if room <= 0:
+                out.append([])
+                continue
+            take = min(room, len(c) - off)
+            piece = c if take == len(c) else Chunk(
+                c.tokens[off:off + take], c.start + off, c.pages,
+                logits=c.logits and off + take == len(c), all_logits=c.all_logits)
+            out[-1].append(piece)
+            placed += take
+            off += take
+    return [mb for mb in out if mb]
+
+
 class PipelineScheduler(Scheduler):
     """A scheduler that runs in lockstep with the other stages of a pipeline."""
 
     def __init__(self, model: Model, cache: Any, config: Any, *, stage: int, num_stages: int,
-                 pp_sync: bool = True, timeout_s: float = 60.0):
+                 pp_sync: bool = True, timeout_s: float = 60.0, num_micro_batches: int = 0):
         super().__init__(model, cache, config)
         self.stage, self.num_stages = stage, num_stages
+        self.num_micro_batches = num_micro_batches or num_stages
+        self.mb_stats = {"steps": 0, "micro_batches": 0, "split_steps": 0}
         self.first, self.last = stage == 0, stage == num_stages - 1
         ack_groups = adjacent_groups(num_stages)          # pp_sync's links (its own threads)
         self.act_groups = adjacent_groups(num_stages)     # hidden states (this thread)
@@ -140,25 +171,44 @@ class PipelineScheduler(Scheduler):
     def _consume_completions(self) -> None:
         self.sync.step(self.cache)
 
-    # -- the forward, stage by stage ----------------------------------------------------------
+    # -- the forward, stage by stage, micro-batch by micro-batch --------------------------------
     def _forward(self, chunks: list, reqs: list) -> torch.Tensor | None:
+        """Run the step's batch as micro-batches: this stage sends micro-batch ``m``'s hidden
+        states on (without waiting for them to be taken) and starts ``m + 1`` while the next
+        stage works on ``m``. Every stage cuts the batch the same way (:func:`micro_batches`),
+        so the sizes it receives are the sizes it expects. The last stage returns the logits
+        of the whole batch, in chunk order."""
         import torch.distributed as dist
 
+        # Every micro-batch waits on every load of the step, layer by layer (a request's
+        # pieces may sit in two micro-batches; the waits return at once once a layer is in).
         hooks = [r.load.wait_layer for r in reqs if r.load is not None]
-        hidden = None
+        mbs = micro_batches(chunks, self.num_micro_batches)
+        self.mb_stats["steps"] += 1
+        self.mb_stats["micro_batches"] += len(mbs)
+        self.mb_stats["split_steps"] += len(mbs) > 1
         t0 = time.perf_counter()
-        if not self.first:
-            n = sum(len(c) for c in chunks)
-            hidden = torch.empty((n, self.model.cfg.hidden), dtype=self.model.dtype)
-            dist.recv(hidden, src=self.stage - 1, group=self.act_groups[self.stage - 1])
-        out = self.model.forward(chunks, self.cache.l1.buf, self.page_size, hooks,
-                                 hidden_in=hidden, hidden_out=not self.last)
-        if not self.last:
-            dist.send(out.to("cpu").contiguous(), dst=self.stage + 1,
-                      group=self.act_groups[self.stage])
-            out = None
+        outs, sending = [], []
+        try:
+            for mb in mbs:
+                hidden = None
+                if not self.first:
+                    n = sum(len(c) for c in mb)
+                    hidden = torch.empty((n, self.model.cfg.hidden), dtype=self.model.dtype)
+                    dist.recv(hidden, src=self.stage - 1, group=self.act_groups[self.stage - 1])
+                out = self.model.forward(mb, self.cache.l1.buf, self.page_size, hooks,
+                                         hidden_in=hidden, hidden_out=not self.last)
+                if self.last:
+                    outs.append(out)
+                else:                     # keep the tensor alive until its send completes
+                    t = out.to("cpu").contiguous()
+                    sending.append((dist.isend(t, dst=self.stage + 1,
+                                               group=self.act_groups[self.stage]), t))
+        finally:
+            for work, _ in sending:
+                work.wait()
         self.metrics.forward_seconds += time.perf_counter() - t0
-        return out
+        return torch.cat(outs) if self.last else None
 
     def _decide(self, chunks: list, reqs: list, logits: torch.Tensor | None) -> list:
         box = [super()._decide(chunks, reqs, logits) if self.last else None]

@@ -130,6 +130,9 @@ PpSync = Annotated[bool, _O("--pp-sync/--no-pp-sync", help="Debug: --no-pp-sync 
 TransferDelay = Annotated[Optional[str], _O("--debug-transfer-delay", help="Debug: slow one "
                                             "stage's copies, STAGE:MS (e.g. 1:20), so completions "
                                             "arrive at different times on different stages.")]
+PpMicro = Annotated[int, _O("--pp-micro-batches", min=0, max=64, help="With --pp: cut each "
+                            "step's batch into this many micro-batches so the stages overlap "
+                            "(0: one per stage).")]
 CollectiveTimeout = Annotated[float, _O("--collective-timeout", help="Seconds a pipeline stage "
                                         "may stay silent before the server stops and names it.")]
 Cp = Annotated[int, _O("--cp", min=1, help="Context-parallel ranks: one process each, KV pages "
@@ -160,7 +163,7 @@ def serve_cmd(
     skip_draft_restore: SkipDraft = False, disaggregation: Disaggregation = None,
     pd_addr: PdAddr = "127.0.0.1:0", pd_decode_reuse: PdReuse = "on",
     pd_transfer_timeout: PdTimeout = 30.0, pd_inject_fault: PdFault = None, pp: Pp = 1,
-    pp_sync: PpSync = True, transfer_delay: TransferDelay = None,
+    pp_sync: PpSync = True, pp_micro_batches: PpMicro = 0, transfer_delay: TransferDelay = None,
     collective_timeout: CollectiveTimeout = 60.0, cp: Cp = 1, tp: Tp = 1,
     log_level: Level = LogLevel.warning, fmt: Format = OutputFormat.human,
 ) -> None:
@@ -249,7 +252,8 @@ def _server_config(o: dict):
             disaggregation=o["disaggregation"], pd_addr=o["pd_addr"],
             pd_decode_reuse=o["pd_decode_reuse"] == "on",
             pd_transfer_timeout=o["pd_transfer_timeout"], pd_inject_fault=o["pd_inject_fault"],
-            pp=o["pp"], pp_sync=o["pp_sync"], debug_transfer_delay=o["transfer_delay"],
+            pp=o["pp"], pp_sync=o["pp_sync"], pp_micro_batches=o["pp_micro_batches"],
+            debug_transfer_delay=o["transfer_delay"],
             collective_timeout_s=o["collective_timeout"], cp=o["cp"], tp=o["tp"])
 
 

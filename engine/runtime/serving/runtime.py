@@ -81,6 +81,7 @@ class ServerConfig:
     # pipeline parallelism (docs/parallelism.md §2): stage processes, pp_sync, debug delays
     pp: int = 1
     pp_sync: bool = True                   # debug: False lets each stage consume what it has
+    pp_micro_batches: int = 0              # micro-batches per step (0: one per stage)
     debug_transfer_delay: str | None = None  # "STAGE:MS[,STAGE:MS]": slow one stage's copies
     collective_timeout_s: float = 60.0     # a stage silent this long stops the server
     cp: int = 1                        # context-parallel ranks (one process each; KV sharded)
@@ -144,12 +145,17 @@ class ServerConfig:
             from engine.runtime.pipeline import parse_delay
 
             parse_delay(self.debug_transfer_delay, self.pp)
+            if not 0 <= self.pp_micro_batches <= 64:
+                raise ValueError(f"--pp-micro-batches must be 0..64 (0: one per stage), got "
+                                 f"{self.pp_micro_batches}")
             if self.speculative_num_draft_tokens:
                 raise ValueError("--pp cannot be combined with speculative decoding yet")
             if self.disaggregation is not None:
                 raise ValueError("--pp cannot be combined with --disaggregation yet")
         elif self.debug_transfer_delay:
             raise ValueError("--debug-transfer-delay needs --pp 2 or more")
+        elif self.pp_micro_batches:
+            raise ValueError("--pp-micro-batches needs --pp 2 or more")
         if not (math.isfinite(self.collective_timeout_s) and self.collective_timeout_s > 0):
             raise ValueError("--collective-timeout must be a finite number > 0")
         if self.inject_divergence:
@@ -344,7 +350,8 @@ class Engine:
 
             self.scheduler: Scheduler = PipelineScheduler(
                 self.model, self.cache, sched_cfg, stage=stage, num_stages=cfg.pp,
-                pp_sync=cfg.pp_sync, timeout_s=cfg.collective_timeout_s)
+                pp_sync=cfg.pp_sync, timeout_s=cfg.collective_timeout_s,
+                num_micro_batches=cfg.pp_micro_batches)
         elif cfg.ranks > 1:
             from engine.runtime.cp_serve import RankScheduler, broadcast_sync, sharded_source
 
