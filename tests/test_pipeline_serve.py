@@ -20,6 +20,7 @@ from engine.cache.pool import DevicePool
 from engine.runtime.model import Chunk, load_model
 from engine.runtime.pipeline import micro_batches, parse_delay, stage_layers, stage_model
 from engine.runtime.serving import ServerConfig, start_server
+from formats.ranklog import read_ranklog
 from hicache_cli.app import app
 
 PROMPTS = [np.random.default_rng(i).integers(0, 256, 200).tolist() for i in range(3)]
@@ -108,6 +109,35 @@ def test_l3_hits_across_pipeline_servers(one_stage, tmp_path):
             h.stop()
         assert out == one_stage[0][0]
     assert details["storage"] > 0
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "timeout"])
+def test_l3_prefetches_land_at_the_same_step_on_every_stage(one_stage, tmp_path, policy):
+    """best_effort / timeout prefetches are not waited for at admission; their results are
+    consumed through pp_sync (queue ``storage``), so a delayed stage 1 commits them at the
+    step stage 0 does: outputs equal, logs consistent, L3 pages reached the tree."""
+    store = dict(hicache_storage_backend="file", hicache_storage_dir=str(tmp_path / "l3"))
+    h = serve(pp=2, hicache_storage_prefetch_policy="wait_complete", **store)
+    try:                                 # write the store, then start cold
+        generate(h.url, PROMPTS[0])
+    finally:
+        h.stop()
+    logs = tmp_path / "logs"
+    h = serve(pp=2, hicache_storage_prefetch_policy=policy, debug_transfer_delay="1:40",
+              rank_log_dir=str(logs), **store)
+    try:
+        got = [generate(h.url, p)[0] for p in (PROMPTS[0], PROMPTS[1], PROMPTS[0])]
+        prefetched = h.engine.cache.stats()["prefetch_pages"]
+    finally:
+        h.stop()
+    assert got == [one_stage[i][0] for i in (0, 2, 0)]
+    assert prefetched > 0
+    code, report = check(logs)
+    assert code == 0, report
+    for rank in (0, 1):
+        acks = [e for e in read_ranklog(logs / f"rank{rank}.ranklog")[1]
+                if e["kind"] == "pp_ack" and e["queue"] == "storage"]
+        assert sum(e["consumed"] for e in acks) > 0
 
 
 def test_a_dead_stage_stops_the_server_cleanly():

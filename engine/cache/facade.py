@@ -439,14 +439,17 @@ class HiCache:
                     n += 1
             out[kind.value] = n
         if self.l3 is not None:
-            out["storage"] = self.l3.poll()
+            out["storage"] = self.l3.poll(None if limits is None else limits.get("storage"))
         return out
 
     def _inflight_ops(self, kind: str) -> list[TransferOp]:
         return list(self._inflight[OpKind(kind)])
 
     def ready_count(self, kind: str) -> int:
-        """How many leading ops of a queue are locally complete (what a rank can ACK)."""
+        """How many leading ops of a queue are locally complete (what a rank can ACK);
+        ``storage``: the L3 tier's jobs (0 without one)."""
+        if kind == "storage":
+            return 0 if self.l3 is None else self.l3.ready_count()
         n = 0
         for op in self._inflight[OpKind(kind)]:
             if not op.done():

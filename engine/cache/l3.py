@@ -133,6 +133,8 @@ class StoreTier:
             log.warning("L3 exists failed: %s", exc)
             return 0
 
+    debug_delay_s = 0.0        # debug: hold each job this long (stage-delay demos/tests)
+
     def run(self, job: Job) -> None:
         self._q.put(job)
 
@@ -141,6 +143,8 @@ class StoreTier:
             job = self._q.get()
             if job is None:
                 return
+            if self.debug_delay_s:
+                time.sleep(self.debug_delay_s)
             try:
                 if job.kind == "get":
                     job.result = self.store.get_pages(job.hashes, self.pool, job.pages)
@@ -195,6 +199,11 @@ class L3Tier:
         self._cache_counters = counters
         self._pin, self._touch, self._evict_l2 = pin, touch, evict_l2
         self._op_ids = op_ids
+        # A pipeline stage (docs/parallelism.md §2): a prefetch is committed at admission only
+        # when every stage waits for it (wait_complete); otherwise it stays queued until
+        # ``poll(limit)`` consumes it at the step pp_sync names, so all stages see the same
+        # L3 hit lengths whatever their own copy speed.
+        self.ordered = False
 
     # -- jobs ----------------------------------------------------------------------------------
     def hashes(self, tokens: np.ndarray, namespace: str | None,
@@ -291,7 +300,10 @@ class L3Tier:
                           payload=(parent, toks[start * p:(start + n) * p].copy(), rid))
         self._events.emit(EV.RESTORE, op=job.op_id, rid=rid, pages=int(n), src="l3")
         self._cache_counters["prefetch_pages_issued"] += n
-        done = self.wait(job, started)
+        # A pipeline stage (``ordered``) waits only where every stage waits (wait_complete);
+        # otherwise the job stays queued for the step pp_sync names.
+        inline = not self.ordered or self.policy is PrefetchPolicy.WAIT_COMPLETE
+        done = inline and self.wait(job, started)
         if self._agree is not None:        # committed now only where every rank has it
             done = bool(self._agree([int(done)])[0])
             if done:
@@ -362,17 +374,31 @@ class L3Tier:
             self.take_done(lambda j: j is job)
             self._commit(job)
 
-    def poll(self) -> int:
-        if self._agree is not None:
+    def ready_count(self) -> int:
+        """How many leading jobs are locally complete (what a stage can ACK)."""
+        n = 0
+        while n < len(self.inflight) and self.inflight[n].event.is_set():
+            n += 1
+        return n
+
+    def poll(self, limit: int | None = None) -> int:
+        """Commit finished jobs. ``limit`` (a pipeline stage, pp_sync): exactly the first
+        ``limit`` in submission order, waiting for each, recorded first as a ``pp_ack`` of
+        queue ``storage``. With ``agree`` (TP ranks): the leading jobs every rank finished."""
+        if limit is not None:
+            assert 0 <= limit <= len(self.inflight), (
+                f"asked to consume {limit} storage ACKs, {len(self.inflight)} in flight")
+            done = [self.inflight.popleft() for _ in range(limit)]
+            self._events.emit(EV.PP_ACK, queue="storage", consumed=limit,
+                              acks=[j.op_id for j in done])
+        elif self._agree is not None:
             if not self.inflight:          # the same jobs in flight on every rank
                 return 0
-            n = 0
-            while n < len(self.inflight) and self.inflight[n].event.is_set():
-                n += 1
-            n = self._agree([n])[0]        # the leading jobs every rank has finished
+            n = self._agree([self.ready_count()])[0]   # the leading jobs every rank finished
             done = [self.inflight.popleft() for _ in range(n)]
         else:
             done = self.take_done()
         for job in done:
+            job.event.wait()
             self._commit(job)
         return len(done)

@@ -25,7 +25,7 @@ import queue
 import threading
 from typing import Any, Protocol
 
-QUEUES = ("load", "backup")
+QUEUES = ("load", "backup", "storage")     # storage: L3 prefetches and backups
 
 
 class StageCache(Protocol):

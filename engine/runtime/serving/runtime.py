@@ -342,6 +342,9 @@ class Engine:
         if cfg.hicache_storage_backend is not None or \
                 cfg.hicache_storage_backend_config is not None:
             self._attach_storage(cfg, layout)
+        if cfg.pp > 1 and getattr(self.cache, "l3", None) is not None:
+            self.cache.l3.ordered = True     # L3 results land at the step pp_sync names
+            self.cache.l3.impl.debug_delay_s = self.cache.transfers.debug_delay_s
         sched_cfg = SchedulerConfig(max_running_requests=cfg.max_running_requests,
                                     chunked_prefill_size=cfg.chunked_prefill_size,
                                     disable_radix_cache=cfg.disable_radix_cache)
