@@ -3,7 +3,8 @@ the heads, half the MLP and KV pools holding its kv-head. Greedy outputs equal `
 fresh prompts, device hits and prefixes restored from host memory (tokens compared: the
 all-reduce sums in another order than one rank's products, see engine.runtime.model.tp);
 ``/metrics`` shows each rank's KV bytes (half a single rank's per token); the ranks' logs are
-consistent; a killed rank turns ``/health`` unhealthy and stops the server naming it."""
+consistent; a killed rank turns ``/health`` unhealthy and stops the server naming it. The same
+for ``--tp 2 --cp 2`` (four processes: pages sharded by owner over CP, heads over TP)."""
 
 from __future__ import annotations
 
@@ -33,29 +34,43 @@ def _used(metrics: str, tier: str) -> int:
                                metrics).group(1)))
 
 
-def test_tp2_server_equals_tp1_and_its_ranks_agree(tmp_path):
-    one, url1 = _spawn()
-    two, url2 = _spawn("--tp", "2", "--rank-log-dir", str(tmp_path))
+@pytest.fixture(scope="module")
+def one_rank():
+    proc, url = _spawn()
     try:
-        got1 = [_gen(url1, ids) for ids in SCRIPT]
-        got2 = [_gen(url2, ids) for ids in SCRIPT]
-        metrics = requests.get(url2 + "/metrics", timeout=10).text
+        return [_gen(url, ids) for ids in SCRIPT]
     finally:
-        for p in (one, two):
-            p.send_signal(signal.SIGINT)
-        for p in (one, two):
-            _, err = p.communicate(timeout=60)
-            assert p.returncode == 0, err
-    assert [o for o, _ in got2] == [o for o, _ in got1]
-    assert [c for _, c in got2] == [c for _, c in got1]   # the same hits, tier by tier
-    assert got2[2][1]["device"] == 96                     # a device hit …
-    assert got2[-1][1]["host"] > 0                        # … and a prefix back from host memory
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+
+
+@pytest.mark.parametrize("shape", [("--tp", "2"), ("--tp", "2", "--cp", "2")],
+                         ids=["tp2", "tp2xcp2"])
+def test_tp_server_equals_one_rank_and_its_ranks_agree(one_rank, tmp_path, shape):
+    proc, url = _spawn(*shape, "--rank-log-dir", str(tmp_path))
+    try:
+        got = [_gen(url, ids) for ids in SCRIPT]
+        metrics = requests.get(url + "/metrics", timeout=10).text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+    world = 2 if len(shape) == 2 else 4
+    assert [o for o, _ in got] == [o for o, _ in one_rank]
+    if world == 2:
+        assert [c for _, c in got] == [c for _, c in one_rank]   # the same hits, tier by tier
+    assert got[2][1]["device"] == 96                      # a device hit …
+    assert got[-1][1]["host"] > 0                         # … and a prefix back from host memory
     kv = _kv_bytes(metrics)
-    assert set(kv) == {(r, t) for r in "01" for t in ("device", "host")}
+    assert set(kv) == {(str(r), t) for r in range(world) for t in ("device", "host")}
     per_token = preset("tiny").kv_layout(16).page_bytes // 16 // 2     # one of two kv-heads
     for tier in ("device", "host"):
-        assert kv[("0", tier)] == kv[("1", tier)] == _used(metrics, tier) * per_token > 0
-    assert sorted(os.listdir(tmp_path)) == ["rank0.ranklog", "rank1.ranklog"]
+        # TP ranks of a CP rank hold the same pages, half the heads each; CP ranks split pages
+        assert all(kv[(str(r), tier)] == kv[(str(r + 1), tier)] > 0 for r in range(0, world, 2))
+        assert sum(kv[(str(r), tier)] for r in range(world)) == \
+            _used(metrics, tier) * per_token * 2
+    assert sorted(os.listdir(tmp_path)) == [f"rank{r}.ranklog" for r in range(world)]
     res = CliRunner().invoke(app, ["consensus-check", str(tmp_path), "--format", "json"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["consistent"] is True
@@ -92,11 +107,11 @@ def test_a_killed_tp_rank_stops_the_server_naming_it(tmp_path):
 def test_tp_options_that_do_not_fit_are_refused():
     with pytest.raises(ValueError, match="attention heads do not split"):
         ServerConfig(tp=3)
-    with pytest.raises(ValueError, match="not combine with --cp"):
-        ServerConfig(tp=2, cp=2)
+    with pytest.raises(ValueError, match="L3 store"):
+        ServerConfig(tp=2, cp=2, hicache_storage_backend="memory")
     with pytest.raises(ValueError, match="not combine with --pp"):
         ServerConfig(tp=2, pp=2)
     with pytest.raises(ValueError, match="1..8"):
         ServerConfig(tp=9)
-    res = CliRunner().invoke(app, ["bench", "serve", "--tp", "2", "--cp", "2"])
-    assert res.exit_code == 2 and "--cp" in res.output and "Traceback" not in res.output
+    res = CliRunner().invoke(app, ["bench", "serve", "--tp", "3"])
+    assert res.exit_code == 2 and "--tp 3" in res.output and "Traceback" not in res.output

@@ -86,3 +86,22 @@ def test_ranks_agree_on_what_the_store_holds(tmp_path, uncached):
     assert out["output_ids"] == uncached
     res = CliRunner().invoke(app, ["consensus-check", str(tmp_path / "logs")])
     assert res.exit_code == 0, res.output
+
+
+def test_mla_tp2_keeps_the_latent_whole_and_shares_the_store_with_tp1(tmp_path):
+    """tiny-mla: TP shards the query heads and keeps the latent replicated, so every rank
+    caches (and stores) the whole latent; a --tp 2 store serves --tp 1, outputs equal."""
+    mla = dict(model="tiny-mla", page_size=16)
+    with start_server(ServerConfig(port=0, l1_tokens=2048, l2_tokens=0,
+                                   disable_radix_cache=True, **mla)) as s:
+        ref = generate(s.url)["output_ids"]
+    store = dict(hicache_storage_backend="file", hicache_storage_dir=str(tmp_path),
+                 hicache_storage_prefetch_policy="wait_complete")
+    with start_server(ServerConfig(**{**BASE, **mla}, tp=2, **store)) as s:
+        first, again = generate(s.url), generate(s.url)
+    assert first["output_ids"] == again["output_ids"] == ref
+    assert again["meta_info"]["cached_tokens_details"]["device"] > 0
+    assert all(".h" not in n for n in object_names(tmp_path))     # MLA keys: layers only
+    with start_server(ServerConfig(**{**BASE, **mla}, **store)) as s:
+        out = generate(s.url)
+    assert storage_hit(out) > 0 and out["output_ids"] == ref

@@ -79,14 +79,19 @@ class TPCache:
         self.cache.close()
 
     def stats(self) -> dict[str, Any]:
+        """The facade's stats, and ``tp``: KV bytes per rank of the group (with CP, rank
+        ``cp_rank * tp + tp_rank`` holds its CP rank's pages of its TP rank's kv-heads)."""
         out = self.cache.stats()
         p = self.cache.page_size
-        l1 = out.get("l1_used_tokens", 0) // p
-        l2 = out.get("l2_used_tokens", 0) // p if self.cache.l2_alloc is not None else None
-        out["tp"] = {
-            "tp_size": self.tp_size,
-            "l1_kv_bytes_per_rank": [l1 * b for b in self.page_bytes],
-            "l2_kv_bytes_per_rank": None if l2 is None else [l2 * b for b in self.page_bytes],
-            "agreements": self.agreements,
-        }
+        cp = out.get("cp")
+
+        def per_rank(tier: str) -> list[int] | None:
+            if tier == "l2" and self.cache.l2_alloc is None:
+                return None
+            used = (cp[f"{tier}_used_tokens_per_rank"] if cp is not None
+                    else [out.get(f"{tier}_used_tokens", 0)])
+            return [u // p * b for u in used for b in self.page_bytes]
+
+        out["tp"] = {"tp_size": self.tp_size, "l1_kv_bytes_per_rank": per_rank("l1"),
+                     "l2_kv_bytes_per_rank": per_rank("l2"), "agreements": self.agreements}
         return out

@@ -150,13 +150,14 @@ def broadcast_sync(group=None) -> Callable[[Any], Any]:
     return sync
 
 
-def sharded_source(cache, rank: int) -> Callable:
-    """``Scheduler.kv_source`` for a CP rank: the forward reads KV through ``ShardedKV``."""
+def sharded_source(cache, rank: int, group=None) -> Callable:
+    """``Scheduler.kv_source`` for a CP rank: the forward reads KV through ``ShardedKV``
+    (``group``: the CP group of the gather, when it is not the whole world — TP x CP)."""
     def source(chunks, hooks):
         def ready(layer: int) -> None:
             for h in hooks:
                 h(layer)
-        return ShardedKV(chunks, cache.l1.buf, cache.shape, rank, ready=ready)
+        return ShardedKV(chunks, cache.l1.buf, cache.shape, rank, ready=ready, group=group)
     return source
 
 

@@ -26,6 +26,17 @@ import torch
 log = logging.getLogger("hicache.tp")
 
 
+def rank_label(tp: int, cp: int) -> str:
+    """What a group is called in messages: ``TP``, ``CP`` or ``TPxCP``."""
+    return "TPxCP" if tp > 1 and cp > 1 else "TP" if tp > 1 else "CP"
+
+
+def split_rank(rank: int, tp: int) -> tuple[int, int]:
+    """``(tp_rank, cp_rank)`` of a global rank: the TP groups are runs of ``tp`` consecutive
+    ranks, ``rank = cp_rank * tp + tp_rank``."""
+    return rank % tp, rank // tp
+
+
 def reduce_backend(device: str, world: int) -> str:
     """``nccl`` when the ranks run on CUDA with a GPU each and NCCL is built in, else ``gloo``."""
     import torch.distributed as dist
@@ -37,16 +48,30 @@ def reduce_backend(device: str, world: int) -> str:
 
 
 def rank_device(device: str, rank: int, backend: str) -> str:
-    """The device of TP rank ``rank``: its own GPU under NCCL, else the configured one."""
+    """The device of rank ``rank``: its own GPU under NCCL, else the configured one."""
     return f"cuda:{rank}" if backend == "nccl" else device
 
 
-def make_reduce(backend: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """All-reduce (SUM) over the TP group; a gloo reduce of a CUDA tensor goes through host
-    memory. Every rank must build it in the same order (``new_group`` is collective)."""
+def rank_groups(tp: int, cp: int, rank: int, backend: str) -> tuple[Any, Any]:
+    """This rank's TP group (the activations' all-reduce; ``None``: the world) and CP group
+    (the per-layer KV gather; ``None`` without CP). Every rank creates every group, in the same
+    order (``new_group`` is collective)."""
     import torch.distributed as dist
 
-    group = dist.new_group(backend=backend) if backend == "nccl" else None
+    if cp == 1:
+        return (dist.new_group(backend=backend) if backend == "nccl" else None), None
+    tp_groups = [dist.new_group([c * tp + t for t in range(tp)], backend=backend)
+                 for c in range(cp)]
+    cp_groups = [dist.new_group([c * tp + t for c in range(cp)], backend="gloo")
+                 for t in range(tp)]
+    tp_rank, cp_rank = split_rank(rank, tp)
+    return tp_groups[cp_rank], cp_groups[tp_rank]
+
+
+def make_reduce(backend: str, group: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """All-reduce (SUM) over ``group``; a gloo reduce of a CUDA tensor goes through host
+    memory."""
+    import torch.distributed as dist
 
     def reduce(t: torch.Tensor) -> torch.Tensor:
         if backend == "gloo" and t.device.type != "cpu":
@@ -58,18 +83,28 @@ def make_reduce(backend: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return reduce
 
 
-def shard_model(model: Any, rank: int, tp: int, backend: str) -> Any:
+def shard_model(model: Any, cfg: Any, rank: int, backend: str) -> tuple[Any, Any]:
+    """Rank ``rank``'s shard of ``model`` (its TP rank's heads and MLP slice, the all-reduce over
+    its TP group) and its CP group (``None`` without CP)."""
     from engine.runtime.model.tp import tp_model
 
-    return tp_model(model, rank, tp, make_reduce(backend))
+    tp_group, cp_group = rank_groups(cfg.tp, cfg.cp, rank, backend)
+    tp_rank, _ = split_rank(rank, cfg.tp)
+    return tp_model(model, tp_rank, cfg.tp, make_reduce(backend, tp_group)), cp_group
 
 
-def tp_cache(cache: Any, model: Any, cfg: Any, rank: int) -> Any:
-    """Rank ``rank``'s :class:`TPCache` over ``cache`` (``cfg.tp`` ranks, the world group)."""
+def tp_cache(cache_cfg: Any, model: Any, cfg: Any, rank: int, events: Any) -> Any:
+    """Rank ``rank``'s cache: a :class:`TPCache` (agreement over the world group) around a
+    :class:`HiCache`, or around a :class:`CPCache` (pages sharded by owner) with CP."""
     import torch.distributed as dist
 
+    from engine.cache.facade import HiCache
+    from engine.parallel.cp_cache import CPCache
     from engine.parallel.tp_cache import TPCache
 
+    tp_rank, cp_rank = split_rank(rank, cfg.tp)
+    inner = (CPCache(cache_cfg, cfg.cp, events=events, rank=cp_rank) if cfg.cp > 1
+             else HiCache(cache_cfg, events=events))
     whole = model.kv_layout(cfg.page_size).whole()
     page_bytes = [whole.shard(cfg.tp, r).page_bytes for r in range(cfg.tp)]
-    return TPCache(cache, cfg.tp, rank, dist.group.WORLD, page_bytes)
+    return TPCache(inner, cfg.tp, tp_rank, dist.group.WORLD, page_bytes)

@@ -140,7 +140,8 @@ Cp = Annotated[int, _O("--cp", min=1, help="Context-parallel ranks: one process 
                        "(docs/parallelism.md).")]
 Tp = Annotated[int, _O("--tp", min=1, max=8, help="Tensor-parallel ranks: one process each, "
                        "attention heads and the MLP split over them, each rank's KV pools "
-                       "holding its kv-heads (docs/parallelism.md). Not with --cp yet.")]
+                       "holding its kv-heads (docs/parallelism.md). With --cp M: tp x cp "
+                       "processes, pages sharded over CP, heads over TP.")]
 Level = Annotated[LogLevel, _O("--log-level", help="Server log verbosity (stderr).")]
 
 

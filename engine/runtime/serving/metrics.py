@@ -106,7 +106,7 @@ def render(m: SchedulerMetrics, cache_stats: dict[str, Any], running: int, waiti
     fam = w.family("pool_capacity_tokens", "gauge", "Capacity of each pool in tokens.")
     w.sample(fam, cache_stats.get("l1_capacity_tokens", 0), {"tier": "device"})
     w.sample(fam, cache_stats.get("l2_capacity_tokens", 0), {"tier": "host"})
-    cp = cache_stats.get("cp") or cache_stats.get("tp") or {}
+    cp = cache_stats.get("tp") or cache_stats.get("cp") or {}     # tp: every rank of TP x CP
     if cp.get("l1_kv_bytes_per_rank") is not None:
         fam = w.family("kv_bytes", "gauge", "KV bytes held per rank and tier (a CP rank holds "
                        "only the pages it owns, a TP rank only its kv-heads).")

@@ -164,8 +164,6 @@ class ServerConfig:
             parse_spec(self.inject_divergence)
 
     def _check_tp(self) -> None:
-        if self.cp > 1:
-            raise ValueError("--tp > 1 does not combine with --cp yet (use one of them)")
         if self.pp > 1 or self.disaggregation is not None or self.speculative_num_draft_tokens:
             raise ValueError("--tp > 1 does not combine with --pp, P/D disaggregation or "
                              "speculative decoding yet")
@@ -254,7 +252,7 @@ class Engine:
         if cfg.tp > 1:
             from engine.runtime.tp_serve import rank_device, reduce_backend
 
-            backend = reduce_backend(self.device, cfg.tp)
+            backend = reduce_backend(self.device, cfg.ranks)
             self.device = rank_device(self.device, cp_rank, backend)
         self.model: Model = load_model(cfg.model, self.device, seed=cfg.seed, exact=cfg.exact)
         if cfg.tp > 1:                  # a shape that does not split: said before spawning
@@ -265,18 +263,20 @@ class Engine:
                 check_tp(self.model.cfg, cfg.tp)
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
+        self.cp_group = None            # with TP and CP: this rank's CP group (the gather)
         if cfg.ranks > 1:
             from engine.runtime.cp_serve import Followers, init_group
+            from engine.runtime.tp_serve import rank_label
 
             if cp_rank == 0:
                 self.followers = Followers(cfg, cfg.ranks, cfg.collective_timeout_s,
-                                           label="TP" if cfg.tp > 1 else "CP")
+                                           label=rank_label(cfg.tp, cfg.cp))
                 cp_addr = self.followers.addr
             init_group(cp_rank, cfg.ranks, cp_addr, cfg.collective_timeout_s)
         if cfg.tp > 1:
             from engine.runtime.tp_serve import shard_model
 
-            self.model = shard_model(self.model, cp_rank, cfg.tp, backend)
+            self.model, self.cp_group = shard_model(self.model, cfg, cp_rank, backend)
         if cfg.pp > 1 and stage == 0:
             self._start_stages(cfg)
         if cfg.pp > 1:
@@ -313,8 +313,8 @@ class Engine:
         if cfg.tp > 1:
             from engine.runtime.tp_serve import tp_cache
 
-            self.cache = tp_cache(HiCache(cache_cfg, events=self._event_log(cfg, tp_rank=cp_rank)),
-                                  self.model, cfg, cp_rank)
+            self.cache = tp_cache(cache_cfg, self.model, cfg, cp_rank,
+                                  events=self._event_log(cfg, group_rank=cp_rank))
         elif cfg.cp > 1:
             import torch.distributed as dist
 
@@ -361,10 +361,12 @@ class Engine:
             self.scheduler = RankScheduler(
                 self.model, self.cache, sched_cfg, sync=broadcast_sync(), leader=cp_rank == 0,
                 dead_ranks=self.followers.dead if self.followers else (lambda: []))
+            from engine.runtime.tp_serve import rank_label, split_rank
+
+            self.scheduler.group_name = rank_label(cfg.tp, cfg.cp)
             if cfg.cp > 1:
-                self.scheduler.kv_source = sharded_source(self.cache, cp_rank)
-            else:
-                self.scheduler.group_name = "TP"
+                self.scheduler.kv_source = sharded_source(
+                    self.cache, split_rank(cp_rank, cfg.tp)[1], group=self.cp_group)
         else:
             self.scheduler = Scheduler(self.model, self.cache, sched_cfg, draft=self.draft,
                                        spec=spec)
@@ -389,13 +391,15 @@ class Engine:
 
     @staticmethod
     def _event_log(cfg: ServerConfig, stage: int = 0, cp_rank: int | None = None,
-                   tp_rank: int | None = None) -> EventLog:
+                   group_rank: int | None = None) -> EventLog:
         keep = cfg.record_events or cfg.rank_log_dir is not None
         rank = RankInfo(rank=stage, world_size=cfg.pp, pp_rank=stage, pp_size=cfg.pp)
         if cp_rank is not None:
             rank = RankInfo(rank=cp_rank, world_size=cfg.cp, cp_rank=cp_rank, cp_size=cfg.cp)
-        if tp_rank is not None:
-            rank = RankInfo(rank=tp_rank, world_size=cfg.tp, tp_rank=tp_rank, tp_size=cfg.tp)
+        if group_rank is not None:      # a TP (or TP x CP) rank: rank = cp_rank * tp + tp_rank
+            rank = RankInfo(rank=group_rank, world_size=cfg.ranks,
+                            tp_rank=group_rank % cfg.tp, tp_size=cfg.tp,
+                            cp_rank=group_rank // cfg.tp, cp_size=cfg.cp)
         log_ = EventLog(rank, enabled=keep or bool(cfg.inject_divergence), keep=keep)
         if cfg.inject_divergence:
             from engine.parallel.divergence import install
