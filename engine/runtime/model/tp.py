@@ -1,4 +1,5 @@
-"""Tensor parallelism of the decoder: one rank's shard of the weights (docs/parallelism.md §3).
+"""Tensor parallelism of the decoder: one rank's shard of the weights (docs/parallelism.md,
+"bench serve --tp N").
 
 Rank ``r`` of ``tp`` keeps
 
