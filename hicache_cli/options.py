@@ -46,6 +46,14 @@ InjectDivergence = Annotated[Optional[str], typer.Option(
     "--inject-divergence", help="Debug: break this rank's recorded decisions, e.g. "
     "'hit_length@rank=1,step=30' (kinds: hit_length, restore_completion, lock_order, "
     "eviction_eligibility, pp_ack, missing_events).")]
+NNodes = Annotated[int, typer.Option("--nnodes", min=1, help="Hosts the ranks spread over, "
+                                     "evenly (run the same command on each host, with its "
+                                     "--node-rank).")]
+NodeRank = Annotated[int, typer.Option("--node-rank", min=0, help="This host's index (0 … "
+                                       "--nnodes-1); node 0 hosts the rendezvous and rank 0.")]
+DistInitAddr = Annotated[Optional[str], typer.Option(
+    "--dist-init-addr", help="HOST:PORT of the rendezvous on node 0 (needed with --nnodes > "
+                             "1).")]
 Progress = Annotated[bool, typer.Option("--progress", help="Progress bar even with --format "
                                                            "json.")]
 

@@ -13,11 +13,11 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import requests
 from typer.testing import CliRunner
 
 from hicache_cli.app import app
+from tests.serve_client import SCRIPT, generate, prompt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--l1-tokens", "256", "--l2-tokens", "2048", "--page-size", "16", "--format", "json"]
@@ -33,30 +33,14 @@ def _spawn(*args: str, stderr=subprocess.PIPE) -> tuple[subprocess.Popen, str]:
     return proc, json.loads(line)["url"]
 
 
-def _prompt(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 256, n).tolist()
-
-
-def _gen(url: str, ids: list[int]) -> tuple[list[int], dict]:
-    r = requests.post(url + "/generate", timeout=60, json={
-        "input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0,
-                                              "ignore_eos": True}})
-    assert r.status_code == 200, r.text
-    d = r.json()
-    return d["output_ids"], d["meta_info"]["cached_tokens_details"]
-
-
-P1 = _prompt(100, 1)
-SCRIPT = [P1, _prompt(60, 2), P1[:96] + _prompt(10, 3)] + \
-         [_prompt(120, 10 + i) for i in range(5)] + [P1[:96] + _prompt(7, 4)]
-
-
 def test_cp2_server_equals_cp1_and_its_ranks_agree(tmp_path):
     one, url1 = _spawn()
-    two, url2 = _spawn("--cp", "2", "--rank-log-dir", str(tmp_path))
+    logs, snaps = tmp_path / "logs", tmp_path / "snaps"
+    two, url2 = _spawn("--cp", "2", "--rank-log-dir", str(logs), "--dump-tree-on-exit",
+                       f"{snaps}/")
     try:
-        got1 = [_gen(url1, ids) for ids in SCRIPT]
-        got2 = [_gen(url2, ids) for ids in SCRIPT]
+        got1 = [generate(url1, ids) for ids in SCRIPT]
+        got2 = [generate(url2, ids) for ids in SCRIPT]
         metrics = requests.get(url2 + "/metrics", timeout=10).text
     finally:
         for p in (one, two):
@@ -71,10 +55,30 @@ def test_cp2_server_equals_cp1_and_its_ranks_agree(tmp_path):
         r'hicache_kv_bytes\{rank="(\d)",tier="(\w+)"\} (\S+)', metrics)}
     assert set(kv) == {(r, t) for r in "01" for t in ("device", "host")}
     assert kv[("0", "host")] > 0 and kv[("1", "host")] > 0
-    assert sorted(os.listdir(tmp_path)) == ["rank0.ranklog", "rank1.ranklog"]
-    res = CliRunner().invoke(app, ["consensus-check", str(tmp_path), "--format", "json"])
+    assert sorted(os.listdir(logs)) == ["rank0.ranklog", "rank1.ranklog"]
+    res = CliRunner().invoke(app, ["consensus-check", str(logs), "--format", "json"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["consistent"] is True
+    # every rank wrote its tree: the same logical tree, one rotation, pages on both owners
+    assert sorted(os.listdir(snaps)) == ["tree-rank0.snapshot", "tree-rank1.snapshot"]
+    views = [_owners(snaps / f"tree-rank{r}.snapshot") for r in (0, 1)]
+    assert [v["snapshot"]["rank"]["cp_rank"] for v in views] == [0, 1]
+    assert views[0]["owners"] == views[1]["owners"]
+    own = views[1]["owners"]
+    assert own["sharded"] and own["cp_size"] == 2 and own["restarts"] == 0
+    assert own["segments"] >= 1 and all(w["pages"] > 0 for w in own["owners"])
+
+
+def _owners(path) -> dict:
+    res = CliRunner().invoke(app, ["inspect", str(path), "--owners", "--format", "json"])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def test_cp_snapshot_on_exit_needs_a_directory(tmp_path):
+    res = CliRunner().invoke(app, ["bench", "serve", "--cp", "2", "--dump-tree-on-exit",
+                                   str(tmp_path / "tree.snapshot")])
+    assert res.exit_code == 2 and "give a directory" in res.output
 
 
 def test_a_killed_rank_stops_the_server_naming_it(tmp_path):
@@ -82,7 +86,7 @@ def test_a_killed_rank_stops_the_server_naming_it(tmp_path):
     with open(log, "w") as err:
         proc, url = _spawn("--cp", "2", "--log-level", "info", stderr=err)
     try:
-        assert _gen(url, _prompt(40, 1))[0]
+        assert generate(url, prompt(40, 1))[0]
         pid = int(re.search(r"CP rank 1: pid (\d+)", log.read_text()).group(1))
         os.kill(pid, signal.SIGKILL)
         health = None

@@ -1,18 +1,28 @@
-"""Two hosts on one machine: two network namespaces joined by a veth pair, one node of a 2-rank CP
-replay in each (`--nnodes 2 --node-rank R --dist-init-addr HOST:PORT`); the ranks agree online
-and the result equals the single-node run. Needs root (as in CI); skipped with the reason
-elsewhere."""
+"""Two hosts on one machine: two network namespaces joined by a veth pair, one node in each
+(`--nnodes 2 --node-rank R --dist-init-addr HOST:PORT`):
+
+* a 2-rank CP replay: the ranks agree online and the result equals the single-node run;
+* `bench serve --cp 2`, `--tp 2` and `--pp 2`: node 0 serves HTTP, node 1 runs its rank only; the outputs
+  (and cache hits) equal the single-node server's, node 1 exits cleanly when node 0 stops, the
+  two nodes' rank logs are consistent and node 1's tree snapshot shows the rotation.
+
+The namespaces need root (as in CI); those tests are skipped with the reason elsewhere. The
+flag checks run everywhere."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import uuid
 
 import pytest
+from typer.testing import CliRunner
+
+from hicache_cli.app import app
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "conversation_trace_head400.jsonl.gz")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,3 +95,108 @@ def test_two_nodes_in_two_namespaces_equal_one_node(two_hosts, tmp_path):
     one = json.loads(single.stdout)["result"]
     for key in ("token_hit_rate", "l1_hit_rate", "l2_hit_rate", "hit_tokens"):
         assert n0["result"][key] == n1["result"][key] == one[key]
+
+
+# -- bench serve on two nodes ------------------------------------------------------------------
+SERVE = ["bench", "serve", "--port", "0", "--l1-tokens", "256", "--l2-tokens", "2048",
+         "--page-size", "16", "--format", "json"]
+
+
+def _popen(ns: str | None, dev: str | None, *args: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    if dev is not None:
+        env["GLOO_SOCKET_IFNAME"] = dev
+    prefix = ["ip", "netns", "exec", ns] if ns else []
+    return subprocess.Popen([*prefix, sys.executable, *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _first_line(p: subprocess.Popen) -> dict:
+    line = p.stdout.readline()
+    if not line:
+        p.kill()
+        raise AssertionError(f"did not start: {p.stderr.read()[-2000:]}")
+    return json.loads(line)
+
+
+def _client(ns: str | None, url: str) -> list:
+    """The request script of tests/serve_client.py, sent from inside namespace ``ns``."""
+    p = _popen(ns, None, "-m", "tests.serve_client", url)
+    out, err = p.communicate(timeout=240)
+    assert p.returncode == 0, err[-2000:]
+    return json.loads(out)
+
+
+def _stop(*procs: subprocess.Popen) -> list[str]:
+    """SIGINT the first (node 0), then wait for all; their stderr, each must exit 0."""
+    procs[0].send_signal(signal.SIGINT)
+    errs = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=120)
+        finally:
+            if p.poll() is None:
+                p.kill()
+        assert p.returncode == 0, err[-2000:]
+        errs.append(err)
+    return errs
+
+
+@pytest.mark.parametrize("mode", [["--cp", "2"], ["--tp", "2"], ["--pp", "2"]],
+                         ids=["cp", "tp", "pp"])
+def test_serve_on_two_nodes_equals_one_node(two_hosts, tmp_path, mode):
+    (a, dev_a), (b, dev_b) = two_hosts
+    nodes = ["--nnodes", "2", "--dist-init-addr", "10.231.7.1:29533"]
+    out = {r: tmp_path / f"n{r}" for r in (0, 1)}
+    snap = (lambda r: ["--dump-tree-on-exit", f"{out[r]}/"]) if mode[0] != "--pp" else \
+        (lambda r: [])
+    n1 = _popen(b, dev_b, "-m", "hicache_cli.app", *SERVE, *mode, *nodes, "--node-rank", "1",
+                "--rank-log-dir", str(out[1]), *snap(1))
+    n0 = _popen(a, dev_a, "-m", "hicache_cli.app", *SERVE, *mode, *nodes, "--node-rank", "0",
+                "--rank-log-dir", str(out[0]), *snap(0))
+    single = _popen(None, None, "-m", "hicache_cli.app", *SERVE, *mode)   # the reference
+    try:
+        assert _first_line(n1)["ranks"] == [1]
+        url = _first_line(n0)["url"]
+        got = _client(a, url)                        # node 0's HTTP, from inside its host
+        one = _client(None, _first_line(single)["url"])
+    finally:
+        try:
+            errs = _stop(n0, n1)
+        finally:
+            _stop(single)
+    assert "node 0 halted" in errs[1] and "Traceback" not in errs[1]
+    assert got == one                                # outputs and cache hits
+    assert got[2][1]["device"] == 96 and got[-1][1]["host"] > 0
+    logs = tmp_path / "logs"                         # one log per rank, one rank per node
+    logs.mkdir()
+    for r in (0, 1):
+        shutil.copy(out[r] / f"rank{r}.ranklog", logs)
+    res = CliRunner().invoke(app, ["consensus-check", str(logs), "--format", "json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["consistent"] is True, res.output
+    if mode[0] != "--pp":                            # node 1's rank wrote its tree
+        assert (out[1] / "tree-rank1.snapshot").is_file()
+    if mode[0] == "--cp":
+        res = CliRunner().invoke(app, ["inspect", str(out[1] / "tree-rank1.snapshot"),
+                                       "--owners", "--format", "json"])
+        assert res.exit_code == 0, res.output
+        view = json.loads(res.stdout)
+        assert view["snapshot"]["rank"]["cp_rank"] == 1
+        own = view["owners"]
+        assert own["segments"] >= 1 and own["restarts"] == 0
+        assert all(w["pages"] > 0 for w in own["owners"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--cp", "2", "--nnodes", "2"], "--dist-init-addr"),
+    (["--cp", "3", "--nnodes", "2", "--dist-init-addr", "h:1"], "evenly"),
+    (["--cp", "2", "--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "h:1"],
+     "--node-rank"),
+    (["--nnodes", "2", "--dist-init-addr", "h:1"], "needs ranks to spread"),
+    (["--pp", "2", "--nnodes", "2", "--dist-init-addr", "nohost"], "HOST:PORT"),
+    (["--pp", "2", "--nnodes", "2", "--dist-init-addr", "h:99999"], "HOST:PORT"),
+])
+def test_serve_node_flags_are_checked(args, message):
+    res = CliRunner().invoke(app, ["bench", "serve", *args])
+    assert res.exit_code == 2, res.output
+    assert message in res.output and len(res.output.strip().splitlines()) == 1

@@ -21,7 +21,8 @@ from typer.testing import CliRunner
 from engine.runtime.model import preset
 from engine.runtime.serving import ServerConfig
 from hicache_cli.app import app
-from tests.test_cp_serve import SCRIPT, _gen, _prompt, _spawn
+from tests.serve_client import SCRIPT, generate, prompt
+from tests.test_cp_serve import _spawn
 
 
 def _kv_bytes(metrics: str) -> dict:
@@ -38,7 +39,7 @@ def _used(metrics: str, tier: str) -> int:
 def one_rank():
     proc, url = _spawn()
     try:
-        return [_gen(url, ids) for ids in SCRIPT]
+        return [generate(url, ids) for ids in SCRIPT]
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
@@ -50,7 +51,7 @@ def one_rank():
 def test_tp_server_equals_one_rank_and_its_ranks_agree(one_rank, tmp_path, shape):
     proc, url = _spawn(*shape, "--rank-log-dir", str(tmp_path))
     try:
-        got = [_gen(url, ids) for ids in SCRIPT]
+        got = [generate(url, ids) for ids in SCRIPT]
         metrics = requests.get(url + "/metrics", timeout=10).text
     finally:
         proc.send_signal(signal.SIGINT)
@@ -81,7 +82,7 @@ def test_a_killed_tp_rank_stops_the_server_naming_it(tmp_path):
     with open(log, "w") as err:
         proc, url = _spawn("--tp", "2", "--log-level", "info", stderr=err)
     try:
-        assert _gen(url, _prompt(40, 1))[0]
+        assert generate(url, prompt(40, 1))[0]
         pid = int(re.search(r"TP rank 1: pid (\d+)", log.read_text()).group(1))
         os.kill(pid, signal.SIGKILL)
         health = None

@@ -1,6 +1,11 @@
 """Start a group of rank processes over ``torch.distributed`` (gloo on CPU) and collect what
 each returns — with collective timeouts, so a rank that dies or hangs makes the others fail
-with a message naming it instead of waiting forever."""
+with a message naming it instead of waiting forever.
+
+Multi-host, as in SGLang: a group of ``world`` ranks spreads evenly over ``nnodes`` hosts, node
+``R`` running ranks ``R*k … R*k+k-1`` (``k = world / nnodes``); every rank meets at the
+rendezvous ``HOST:PORT`` (``--dist-init-addr``), which rank 0 — on node 0 — hosts.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +25,75 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) → (host, port); ``ValueError`` when it is not one."""
+    host, _, port = addr.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--dist-init-addr must be HOST:PORT, got {addr!r}")
+    return host, int(port)
+
+
+def check_nodes(world: int, nnodes: int, node_rank: int, addr: str | None,
+                what: str) -> None:
+    """``ValueError`` (a usage error to the CLI) unless ``world`` ranks — ``what`` names the
+    option that sets them, e.g. ``"--cp 4"`` — spread evenly over ``nnodes`` hosts and, with
+    more than one, a rendezvous address is given."""
+    if nnodes < 1:
+        raise ValueError(f"--nnodes must be >= 1, got {nnodes}")
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"--node-rank must be in [0, --nnodes), got {node_rank} of {nnodes}")
+    if world % nnodes:
+        raise ValueError(f"{what} ranks do not spread evenly over --nnodes {nnodes}")
+    if nnodes > 1 and addr is None:
+        raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
+    if addr is not None:
+        parse_addr(addr)
+
+
+def node_ranks(world: int, nnodes: int, node_rank: int) -> range:
+    """The ranks node ``node_rank`` runs."""
+    k = world // nnodes
+    return range(node_rank * k, (node_rank + 1) * k)
+
+
+class RankProcesses:
+    """The rank processes this host runs: ``target(rank, *args)`` for each rank, spawned (a
+    module-level function: it is imported by name). Watches them and names the dead."""
+
+    def __init__(self, target: Callable, ranks: Any, args: tuple, name: str = "rank"):
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.procs = {r: ctx.Process(target=target, args=(r, *args), name=f"hicache-{name}{r}",
+                                     daemon=True) for r in ranks}
+        for p in self.procs.values():
+            p.start()
+
+    def pids(self) -> dict[int, int]:
+        return {r: p.pid for r, p in self.procs.items()}
+
+    def dead(self) -> list[str]:
+        """``rank R exited (code C)`` for every rank gone, killed ones first (a rank that
+        exits with code 1 may only have lost its peers)."""
+        gone = [(r, p.exitcode) for r, p in self.procs.items() if not p.is_alive()]
+        gone.sort(key=lambda rc: (rc[1] == 1, rc[0]))
+        return [f"rank {r} exited (code {c})" for r, c in gone]
+
+    def wait(self) -> list[str]:
+        """Block until every rank has exited; what :meth:`dead` says of those that failed."""
+        for p in self.procs.values():
+            p.join()
+        return [d for d in self.dead() if not d.endswith("(code 0)")]
+
+    def join(self, timeout: float = 10.0) -> None:
+        for p in self.procs.values():
+            p.join(timeout)
+            if p.is_alive():
+                p.kill()
+                p.join(1.0)
 
 
 def _main(rank: int, world: int, port: int, timeout_s: float, target: Callable, args: tuple,

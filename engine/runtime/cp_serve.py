@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from engine.parallel.launch import RankFailed, free_port
+from engine.parallel.launch import RankFailed, RankProcesses, free_port, node_ranks
 from engine.runtime.cp_kv import ShardedKV
 from engine.runtime.scheduler.core import Scheduler
 from engine.runtime.scheduler.params import FinishReason
@@ -169,25 +169,21 @@ def init_group(rank: int, world: int, addr: str, timeout_s: float) -> None:
 
 
 class Followers:
-    """The leader's handle on ranks 1…N-1: spawns them, watches them, names the dead."""
+    """The leader's handle on the other ranks of its node (all ranks 1…N-1 on one host; with
+    ``--nnodes K`` node 0's share — the other nodes start theirs, :func:`serve_node`): spawns
+    them, watches them, names the dead."""
 
     def __init__(self, cfg, world: int, timeout_s: float = 60.0, label: str = "CP"):
-        import torch.multiprocessing as mp
-
-        self.addr = f"127.0.0.1:{free_port()}"
-        ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=follower_main, args=(r, world, self.addr, cfg,
-                                                              timeout_s),
-                                  name=f"hicache-{label.lower()}-rank{r}", daemon=True)
-                      for r in range(1, world)]
-        for p in self.procs:
-            p.start()
-            log.info("%s rank %d: pid %d", label, self.procs.index(p) + 1, p.pid)
+        self.addr = cfg.dist_init_addr or f"127.0.0.1:{free_port()}"
+        ranks = [r for r in node_ranks(world, cfg.nnodes, 0) if r != 0]
+        self.procs = RankProcesses(follower_main, ranks, (world, self.addr, cfg, timeout_s),
+                                   name=f"{label.lower()}-rank")
+        for r, pid in self.procs.pids().items():
+            log.info("%s rank %d: pid %d", label, r, pid)
         self._watch: threading.Thread | None = None
 
     def dead(self) -> list[str]:
-        return [f"rank {i + 1} exited (code {p.exitcode})" for i, p in enumerate(self.procs)
-                if not p.is_alive()]
+        return self.procs.dead()
 
     def watch(self, scheduler: Scheduler, on_failure: Callable[[str], None]) -> None:
         """Background: once the scheduler stops on a rank failure, report it and stop."""
@@ -201,10 +197,7 @@ class Followers:
         self._watch.start()
 
     def join(self, timeout: float = 10.0) -> None:
-        for p in self.procs:
-            p.join(timeout)
-            if p.is_alive():
-                p.kill()
+        self.procs.join(timeout)
 
 
 def stop_server(message: str) -> None:
@@ -215,17 +208,34 @@ def stop_server(message: str) -> None:
 
 
 def follower_main(rank: int, world: int, addr: str, cfg, timeout_s: float) -> None:
-    """A follower rank: the same engine without HTTP, stepping when the leader steps."""
+    """A follower rank: the same engine without HTTP, stepping when the leader steps. Halted by
+    the leader, it writes its rank log (``cfg.rank_log_dir``) and tree snapshot
+    (``cfg.snapshot_dir``) and exits 0; a lost group exits 1."""
     from engine.runtime.serving.runtime import Engine
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C goes to the leader, which halts us
     logging.basicConfig(level=logging.WARNING)
     engine = Engine(cfg, cp_rank=rank, cp_addr=addr)
     sched: RankScheduler = engine.scheduler
+    failed = False
     try:
         while not sched.halted:
             sched.step(block=False)
+        if cfg.snapshot_dir is not None:
+            write_rank_snapshot(engine, cfg.snapshot_dir)
     except RankFailed as exc:
         log.error("rank %d: %s", rank, exc)
+        failed = True
     finally:
         engine.stop()
+    if failed:
+        raise SystemExit(1)
+
+
+def write_rank_snapshot(engine, directory: str) -> str:
+    """This rank's tree as ``DIR/tree-rank{r}.snapshot`` (between steps: the tree is still)."""
+    from engine.snapshot.take import snapshot_filename, write_snapshot
+
+    path = os.path.join(directory, snapshot_filename(engine.cache.events.rank.rank))
+    write_snapshot(path, engine.cache, {"model": engine.model_name, "source": "bench serve"})
+    return path

@@ -21,6 +21,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import signal
 import time
 from typing import Any
 
@@ -247,18 +248,25 @@ class PipelineScheduler(Scheduler):
         self.sync.close()
 
 
-def stage_worker(stage: int, num_stages: int, port: int, cfg: Any, timeout_s: float) -> None:
-    """Main of a stage process (``stage >= 1``): join the group, build the stage, serve."""
+def stage_worker(stage: int, num_stages: int, addr: str, cfg: Any, timeout_s: float) -> None:
+    """Main of a stage process (``stage >= 1``): join the group at the rendezvous ``addr``
+    (HOST:PORT), build the stage, serve until stage 0 says stop."""
     import torch.distributed as dist
 
     from engine.runtime.serving.runtime import Engine
 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=stage,
+    signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C goes to stage 0, which stops us
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}", rank=stage,
                             world_size=num_stages, timeout=datetime.timedelta(seconds=timeout_s))
     eng = Engine(cfg, stage=stage)
     try:
         eng.scheduler.serve_stage()
+    except Exception as exc:  # noqa: BLE001 - one line, then exit 1 (stage 0 names the stage)
+        first = str(exc).splitlines()[0][:200] if str(exc) else ""
+        log.error("pipeline stage %d lost its group (stage 0 or another stage stopped): "
+                  "%s: %s", stage, type(exc).__name__, first)
+        raise SystemExit(1) from None
     finally:
         eng.stop()
         dist.destroy_process_group()

@@ -17,12 +17,15 @@ from engine.cache.types import WritePolicy
 from engine.core.errors import UsageError
 from hicache_cli.bench import replay_render as render
 from hicache_cli.options import (
+    DistInitAddr,
     Format,
     InjectDivergence,
     L1Tokens,
     L2Tokens,
     L3Tokens,
     Limit,
+    NNodes,
+    NodeRank,
     PageSize,
     Policy,
     Progress,
@@ -76,13 +79,6 @@ Consensus = Annotated[bool, typer.Option(
                                     "at the first divergence (logs go to --rank-log-dir).")]
 ConsensusEvery = Annotated[int, typer.Option("--consensus-every", min=1, help="Compare every N "
                                              "requests (online consensus).")]
-NNodes = Annotated[int, typer.Option("--nnodes", min=1, help="With --ranks: hosts the ranks are "
-                                     "spread over (run the command on each, with its "
-                                     "--node-rank).")]
-NodeRank = Annotated[int, typer.Option("--node-rank", min=0, help="This host's index (0 … "
-                                       "--nnodes-1); node 0 hosts the rendezvous.")]
-DistInitAddr = Annotated[Optional[str], typer.Option(
-    "--dist-init-addr", help="HOST:PORT of node 0's rendezvous (needed with --nnodes > 1).")]
 Cp = Annotated[int, typer.Option("--cp", min=1, help="Context-parallel ranks of the replica; "
                                  "--l1-tokens/--l2-tokens are then per-rank budgets.")]
 CpKv = Annotated[str, typer.Option("--cp-kv", help="With --cp N: 'sharded' (each KV page on "
@@ -175,16 +171,10 @@ def _check_modes(sweep: bool, multi: bool, plot: Optional[Path], policies: Optio
 
 def _check_nodes(ranks: int, nnodes: int, node_rank: int, addr: Optional[str]) -> tuple:
     """(nnodes, node_rank, HOST:PORT or None) after the usage checks."""
-    if node_rank >= nnodes:
-        raise UsageError(f"--node-rank must be in [0, --nnodes), got {node_rank} of {nnodes}")
-    if ranks % nnodes:
-        raise UsageError(f"--ranks {ranks} does not spread evenly over --nnodes {nnodes}")
-    if nnodes > 1 and addr is None:
-        raise UsageError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
-    if addr is not None:
-        host, _, port = addr.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise UsageError(f"--dist-init-addr must be HOST:PORT, got {addr!r}")
+    from engine.parallel.launch import check_nodes
+
+    with usage():
+        check_nodes(ranks, nnodes, node_rank, addr, f"--ranks {ranks}")
     return nnodes, node_rank, addr
 
 

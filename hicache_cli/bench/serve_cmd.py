@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import errno
 import json
@@ -9,7 +10,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -18,7 +19,17 @@ from engine.cache.policy import PolicyName
 from engine.cache.types import HostLayout, WritePolicy
 from engine.core.errors import UsageError
 from engine.storage.config import BackendKind
-from hicache_cli.options import Format, InjectDivergence, L1Tokens, PageSize, RankLogDir, usage
+from hicache_cli.options import (
+    DistInitAddr,
+    Format,
+    InjectDivergence,
+    L1Tokens,
+    NNodes,
+    NodeRank,
+    PageSize,
+    RankLogDir,
+    usage,
+)
 from hicache_cli.output import OutputFormat, fail, handle_errors, stderr
 
 
@@ -165,7 +176,8 @@ def serve_cmd(
     pd_addr: PdAddr = "127.0.0.1:0", pd_decode_reuse: PdReuse = "on",
     pd_transfer_timeout: PdTimeout = 30.0, pd_inject_fault: PdFault = None, pp: Pp = 1,
     pp_sync: PpSync = True, pp_micro_batches: PpMicro = 0, transfer_delay: TransferDelay = None,
-    collective_timeout: CollectiveTimeout = 60.0, cp: Cp = 1, tp: Tp = 1,
+    collective_timeout: CollectiveTimeout = 60.0, cp: Cp = 1, tp: Tp = 1, nnodes: NNodes = 1,
+    node_rank: NodeRank = 0, dist_init_addr: DistInitAddr = None,
     log_level: Level = LogLevel.warning, fmt: Format = OutputFormat.human,
 ) -> None:
     """Run the benchmark server until Ctrl-C / SIGTERM (--format json: also one JSON line with
@@ -174,6 +186,7 @@ def serve_cmd(
     Example: hicache bench serve --l1-tokens 8192 --l2-tokens 65536
     then:    curl -s localhost:30000/generate -d '{"text": "Hi", "sampling_params":
              {"max_new_tokens": 8, "temperature": 0}}'
+    Two hosts: --cp 2 --nnodes 2 --dist-init-addr HOST0:5000 and --node-rank 0 / 1.
     """
     opts = dict(locals())
     _prepare(log_level, disaggregation)
@@ -181,7 +194,37 @@ def serve_cmd(
     if disaggregation in ("prefill", "pd"):
         _serve_pd(cfg, fmt, dump_tree_on_exit)
         return
-    _serve(cfg, fmt, _dump_path(dump_tree_on_exit))
+    dump_path, cfg = _dump_path(dump_tree_on_exit, cfg)
+    if cfg.node_rank > 0:
+        _serve_node(cfg, fmt)
+        return
+    _serve(cfg, fmt, dump_path)
+
+
+def _serve_node(cfg, fmt: OutputFormat) -> None:
+    """``--node-rank R > 0``: this host's ranks, no HTTP, until node 0 stops them."""
+    from engine.parallel.launch import node_ranks
+    from engine.runtime.nodes import serve_node
+
+    ranks = list(node_ranks(cfg.ranks * cfg.pp, cfg.nnodes, cfg.node_rank))
+    kind = ("pipeline stage" if cfg.pp > 1 else "TP rank" if cfg.cp == 1 else "CP rank"
+            if cfg.tp == 1 else "rank")
+    which = f"{kind} {ranks[0]}" if len(ranks) == 1 else f"{kind}s {ranks[0]}-{ranks[-1]}"
+
+    def ready(pids: dict) -> None:
+        if fmt is OutputFormat.json:
+            sys.stdout.write(json.dumps({"node_rank": cfg.node_rank, "nnodes": cfg.nnodes,
+                                         "ranks": ranks, "pids": list(pids.values()),
+                                         "dist_init_addr": cfg.dist_init_addr}) + "\n")
+            sys.stdout.flush()
+        stderr.print(f"hicache bench serve: node {cfg.node_rank} of {cfg.nnodes}: {which} (no "
+                     f"HTTP: node 0 serves), rendezvous {cfg.dist_init_addr}")
+
+    failed = serve_node(cfg, on_ready=ready)
+    if failed:
+        fail(f"node {cfg.node_rank} stopped: {failed[0]}: it lost the group (node 0 or "
+             f"another rank stopped; see above)")
+    stderr.print(f"hicache bench serve: node {cfg.node_rank}: node 0 halted {which}; stopped")
 
 
 def _serve_pd(cfg, fmt: OutputFormat, dump_tree_on_exit: Optional[str]) -> None:
@@ -255,25 +298,38 @@ def _server_config(o: dict):
             pd_transfer_timeout=o["pd_transfer_timeout"], pd_inject_fault=o["pd_inject_fault"],
             pp=o["pp"], pp_sync=o["pp_sync"], pp_micro_batches=o["pp_micro_batches"],
             debug_transfer_delay=o["transfer_delay"],
-            collective_timeout_s=o["collective_timeout"], cp=o["cp"], tp=o["tp"])
+            collective_timeout_s=o["collective_timeout"], cp=o["cp"], tp=o["tp"],
+            nnodes=o["nnodes"], node_rank=o["node_rank"], dist_init_addr=o["dist_init_addr"])
 
 
-def _dump_path(dump_tree_on_exit: Optional[str]) -> Optional[Path]:
-    """Settle (and check) the snapshot destination before serving."""
+def _dump_path(dump_tree_on_exit: Optional[str], cfg) -> tuple[Optional[Path], Any]:
+    """Settle (and check) the snapshot destination before serving: rank 0's file, and the
+    config with ``snapshot_dir`` set where every CP/TP rank writes one."""
     if dump_tree_on_exit is None:
-        return None
+        return None, cfg
     from engine.snapshot.take import snapshot_filename
     from formats.outpath import OutputPathError, check_output_dir, check_output_file
 
     dump_path = Path(dump_tree_on_exit)
+    is_dir = dump_tree_on_exit.endswith(("/", os.sep)) or dump_path.is_dir()
+    group = " ".join(f"--{k} {v}" for k, v in (("tp", cfg.tp), ("cp", cfg.cp)) if v > 1)
+    if cfg.ranks > 1 and not is_dir:
+        raise UsageError(f"--dump-tree-on-exit: with {group} every rank writes "
+                         f"tree-rank<N>.snapshot: give a directory (an existing one or a path "
+                         f"ending in /), got {dump_tree_on_exit!r}")
+    if cfg.node_rank > 0 and cfg.ranks == 1:
+        raise UsageError("--dump-tree-on-exit: with --pp only stage 0 (node 0) writes a "
+                         "snapshot")
     try:
-        if dump_tree_on_exit.endswith(("/", os.sep)) or dump_path.is_dir():
+        if is_dir:
             check_output_dir(dump_path)
+            if cfg.ranks > 1:
+                cfg = dataclasses.replace(cfg, snapshot_dir=str(dump_path))
             dump_path = dump_path / snapshot_filename(0)
         check_output_file(dump_path)      # writable now, or we say so before serving
     except OutputPathError as e:
         fail(f"--dump-tree-on-exit {e}", code=2)
-    return dump_path
+    return dump_path, cfg
 
 
 def _serve(cfg, fmt: OutputFormat, dump_path: Optional[Path]) -> None:

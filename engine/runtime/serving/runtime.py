@@ -86,6 +86,12 @@ class ServerConfig:
     collective_timeout_s: float = 60.0     # a stage silent this long stops the server
     cp: int = 1                        # context-parallel ranks (one process each; KV sharded)
     tp: int = 1                        # tensor-parallel ranks (one process each; heads sharded)
+    # multi-host, as in SGLang: the --cp/--tp/--pp ranks spread evenly over nnodes hosts; node 0
+    # serves HTTP and hosts the rendezvous dist_init_addr (HOST:PORT); None: a local one
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    snapshot_dir: str | None = None    # --cp/--tp: every rank writes tree-rank{r}.snapshot at exit
 
     def __post_init__(self) -> None:
         if self.cp < 1:
@@ -156,6 +162,7 @@ class ServerConfig:
             raise ValueError("--debug-transfer-delay needs --pp 2 or more")
         elif self.pp_micro_batches:
             raise ValueError("--pp-micro-batches needs --pp 2 or more")
+        self._check_nodes()
         if not (math.isfinite(self.collective_timeout_s) and self.collective_timeout_s > 0):
             raise ValueError("--collective-timeout must be a finite number > 0")
         if self.inject_divergence:
@@ -177,6 +184,17 @@ class ServerConfig:
     def ranks(self) -> int:
         """Processes of the CP or TP group (1: a single process)."""
         return self.cp * self.tp
+
+    def _check_nodes(self) -> None:
+        from engine.parallel.launch import check_nodes
+
+        world = self.ranks * self.pp
+        if self.nnodes > 1 and world == 1:
+            raise ValueError("--nnodes > 1 needs ranks to spread: --cp, --tp or --pp > 1")
+        parts = [f"--{k} {v}" for k, v in (("tp", self.tp), ("cp", self.cp), ("pp", self.pp))
+                 if v > 1]
+        what = " ".join(parts) + (f" ({world})" if len(parts) > 1 else "")
+        check_nodes(world, self.nnodes, self.node_rank, self.dist_init_addr, what)
 
     def spec_config(self) -> Any:
         """The speculative-decoding settings, or None when off (checks the options)."""
@@ -243,7 +261,8 @@ class Engine:
         engine.runtime.tp_serve); rank 0 spawns the followers."""
         self.cfg = cfg
         self.stage = stage
-        self.stage_procs: list = []
+        self.stage_procs: list = []           # this node's other pipeline stages (stage 0)
+        self._stage_ids: list[int] = []
         self.cp_rank = cp_rank
         self.followers = None
         self.failure: str | None = None      # why a CP/TP group stopped (a rank died or hung)
@@ -486,24 +505,22 @@ class Engine:
         stop_server(message)
 
     def _start_stages(self, cfg: ServerConfig) -> None:
-        """Stage 0: start stages 1 … pp-1 as processes and join their process group."""
+        """Stage 0: start this node's other stages (all of them on one host; with ``--nnodes``
+        the other nodes start theirs) as processes and join the group."""
         import datetime
 
         import torch.distributed as dist
-        import torch.multiprocessing as mp
 
-        from engine.parallel.launch import free_port
+        from engine.parallel.launch import RankProcesses, free_port, node_ranks
         from engine.runtime.pipeline import stage_worker
 
-        port = free_port()
-        ctx = mp.get_context("spawn")
-        self.stage_procs = [ctx.Process(target=stage_worker, name=f"hicache-stage{s}",
-                                        args=(s, cfg.pp, port, cfg, cfg.collective_timeout_s),
-                                        daemon=True) for s in range(1, cfg.pp)]
-        for p in self.stage_procs:
-            p.start()
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                world_size=cfg.pp,
+        addr = cfg.dist_init_addr or f"127.0.0.1:{free_port()}"
+        local = [s for s in node_ranks(cfg.pp, cfg.nnodes, 0) if s != 0]
+        group = RankProcesses(stage_worker, local, (cfg.pp, addr, cfg, cfg.collective_timeout_s),
+                              name="stage")
+        self.stage_procs = list(group.procs.values())
+        self._stage_ids = local
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}", rank=0, world_size=cfg.pp,
                                 timeout=datetime.timedelta(seconds=cfg.collective_timeout_s))
 
     def flush(self) -> "concurrent.futures.Future[dict]":
@@ -521,7 +538,7 @@ class Engine:
 
     def stage_health(self) -> str | None:
         """Why the pipeline is unhealthy (a stage process gone), or None."""
-        for s, p in enumerate(self.stage_procs, start=1):
+        for s, p in zip(self._stage_ids, self.stage_procs):
             if not p.is_alive():
                 return f"pipeline stage {s} exited (code {p.exitcode})"
         return None
