@@ -1,7 +1,8 @@
 """``hicache bench serve --cp 2``: two rank processes behind one HTTP front end. Greedy outputs
 equal ``--cp 1`` for fresh prompts, device hits and prefixes restored from host memory;
 ``/metrics`` shows each rank's KV bytes; the ranks' logs are consistent; a killed rank turns
-``/health`` unhealthy and stops the server with a message naming it."""
+``/health`` unhealthy and stops the server with a message naming it; the rank logs of a
+``hicache bench run`` load are consistent."""
 
 from __future__ import annotations
 
@@ -107,3 +108,27 @@ def test_a_killed_rank_stops_the_server_naming_it(tmp_path):
     assert proc.returncode == 1                        # a failure, not a clean stop
     assert "stopped: rank 1 exited" in text and "Traceback" not in text
     assert health is not None and "rank 1 exited" in health   # unhealthy before it stopped
+
+
+def test_bench_run_against_cp2_leaves_consistent_rank_logs(tmp_path):
+    """The load generator (concurrent multi-turn clients, a device pool smaller than the
+    conversations) against ``--cp 2``: both ranks' logs of the run agree."""
+    logs = tmp_path / "logs"
+    proc, url = _spawn("--cp", "2", "--rank-log-dir", str(logs))
+    try:
+        res = CliRunner().invoke(app, ["bench", "run", "--url", url, "--num-clients", "4",
+                                       "--num-rounds", "3", "--request-length", "48",
+                                       "--output-length", "4", "--concurrency", "4",
+                                       "--format", "json"])
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+    assert res.exit_code == 0, res.output
+    run = json.loads(res.stdout)
+    assert run["requests"]["ok"] == run["requests"]["sent"] == 12
+    assert run["tokens"]["cached"] > 0                  # later rounds reuse their conversation
+    res = CliRunner().invoke(app, ["consensus-check", str(logs), "--format", "json"])
+    assert res.exit_code == 0, res.output
+    check = json.loads(res.stdout)
+    assert check["consistent"] is True and check["ranks"] == 2 and check["events"] > 0
