@@ -116,3 +116,33 @@ def test_tp_options_that_do_not_fit_are_refused():
         ServerConfig(tp=9)
     res = CliRunner().invoke(app, ["bench", "serve", "--tp", "3"])
     assert res.exit_code == 2 and "--tp 3" in res.output and "Traceback" not in res.output
+
+
+def test_a_hung_tp_rank_stops_the_server_after_the_collective_timeout(tmp_path):
+    """A rank that stops answering (SIGSTOP) is not dead: the leader's next collective times out
+    (--collective-timeout; also the start-up rendezvous limit, hence not shorter), the request
+    fails and the server stops with exit 1, no hang."""
+    log = tmp_path / "server.err"
+    with open(log, "w") as err:
+        proc, url = _spawn("--tp", "2", "--log-level", "info", "--collective-timeout", "15",
+                           stderr=err)
+    pid = int(re.search(r"TP rank 1: pid (\d+)", log.read_text()).group(1))
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            r = requests.post(url + "/generate", timeout=60, json={
+                "input_ids": _prompt(20, 5), "sampling_params": {"max_new_tokens": 2}})
+            assert r.status_code != 200                # failed, not hanging …
+        except requests.ConnectionError:
+            pass                                       # … or cut off by the shutdown
+        proc.wait(timeout=60)
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass                                       # the leader killed it on the way out
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert proc.returncode == 1
+    assert "a rank died or hung" in text and "Traceback" not in text

@@ -26,6 +26,35 @@ import torch
 log = logging.getLogger("hicache.tp")
 
 
+def check_options(cfg: Any) -> None:
+    """``ValueError`` for server options ``--tp`` does not combine with (``ServerConfig``)."""
+    if cfg.pp > 1 or cfg.disaggregation is not None or cfg.speculative_num_draft_tokens:
+        raise ValueError("--tp > 1 does not combine with --pp, P/D disaggregation or "
+                         "speculative decoding yet")
+    from engine.runtime.model.config import PRESETS
+    from engine.runtime.model.tp import check_tp
+
+    if cfg.model in PRESETS:          # other models are checked once loaded (check_model)
+        check_tp(PRESETS[cfg.model], cfg.tp)
+
+
+def check_model(model_cfg: Any, tp: int) -> None:
+    """A loaded model that does not split over ``tp`` ranks: a usage error."""
+    from engine.core.errors import UsageError
+    from engine.runtime.model.tp import check_tp
+
+    try:
+        check_tp(model_cfg, tp)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def probe_backend(device: str, world: int, rank: int) -> tuple[str, str]:
+    """The all-reduce backend (:func:`reduce_backend`) and this rank's device."""
+    backend = reduce_backend(device, world)
+    return backend, rank_device(device, rank, backend)
+
+
 def rank_label(tp: int, cp: int) -> str:
     """What a group is called in messages: ``TP``, ``CP`` or ``TPxCP``."""
     return "TPxCP" if tp > 1 and cp > 1 else "TP" if tp > 1 else "CP"

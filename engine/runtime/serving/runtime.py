@@ -99,7 +99,9 @@ class ServerConfig:
         if not 1 <= self.tp <= 8:
             raise ValueError(f"--tp must be 1..8, got {self.tp}")
         if self.tp > 1:
-            self._check_tp()
+            from engine.runtime.tp_serve import check_options
+
+            check_options(self)
         if self.cp > 1 and (self.speculative_num_draft_tokens or self.hicache_storage_backend
                             or self.hicache_storage_backend_config or self.pp > 1
                             or self.disaggregation is not None):
@@ -169,16 +171,6 @@ class ServerConfig:
             from engine.parallel.divergence import parse_spec
 
             parse_spec(self.inject_divergence)
-
-    def _check_tp(self) -> None:
-        if self.pp > 1 or self.disaggregation is not None or self.speculative_num_draft_tokens:
-            raise ValueError("--tp > 1 does not combine with --pp, P/D disaggregation or "
-                             "speculative decoding yet")
-        from engine.runtime.model.config import PRESETS
-        from engine.runtime.model.tp import check_tp
-
-        if self.model in PRESETS:     # other models are checked once loaded
-            check_tp(PRESETS[self.model], self.tp)
 
     @property
     def ranks(self) -> int:
@@ -269,19 +261,15 @@ class Engine:
         self.device = resolve_device(cfg.device)
         backend = None                  # of the TP all-reduce
         if cfg.tp > 1:
-            from engine.runtime.tp_serve import rank_device, reduce_backend
+            from engine.runtime.tp_serve import probe_backend
 
-            backend = reduce_backend(self.device, cfg.ranks)
-            self.device = rank_device(self.device, cp_rank, backend)
+            backend, self.device = probe_backend(self.device, cfg.ranks, cp_rank)
         self.model: Model = load_model(cfg.model, self.device, seed=cfg.seed, exact=cfg.exact)
+        self.num_params = self.model.cfg.num_params()     # of the whole model (before TP/PP)
         if cfg.tp > 1:                  # a shape that does not split: said before spawning
-            from engine.core.errors import UsageError
-            from engine.runtime.model.tp import check_tp
+            from engine.runtime.tp_serve import check_model
 
-            try:
-                check_tp(self.model.cfg, cfg.tp)
-            except ValueError as exc:
-                raise UsageError(str(exc)) from None
+            check_model(self.model.cfg, cfg.tp)
         self.cp_group = None            # with TP and CP: this rank's CP group (the gather)
         if cfg.ranks > 1:
             from engine.runtime.cp_serve import Followers, init_group
@@ -588,7 +576,7 @@ class Engine:
     def describe(self) -> dict[str, Any]:
         mc = self.model.cfg
         return {"model": mc.name, "attention": mc.attention.value, "layers": mc.num_layers,
-                "params": mc.num_params(), "device": self.device,
+                "params": self.num_params, "device": self.device,
                 "exact_kernels": self.model.exact, "page_size": self.cfg.page_size,
                 "l1_tokens": self.cfg.l1_tokens, "l2_tokens": self.l2_tokens,
                 "host_layout": self.cfg.host_layout, "write_policy": self.cfg.write_policy,
