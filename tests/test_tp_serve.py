@@ -131,7 +131,7 @@ def test_a_hung_tp_rank_stops_the_server_after_the_collective_timeout(tmp_path):
         os.kill(pid, signal.SIGSTOP)
         try:
             r = requests.post(url + "/generate", timeout=60, json={
-                "input_ids": _prompt(20, 5), "sampling_params": {"max_new_tokens": 2}})
+                "input_ids": prompt(20, 5), "sampling_params": {"max_new_tokens": 2}})
             assert r.status_code != 200                # failed, not hanging …
         except requests.ConnectionError:
             pass                                       # … or cut off by the shutdown
