@@ -184,12 +184,19 @@ class L3Tier:
                  evict_l2: Callable[[int], int], op_ids: Iterator[OpId],
                  prefetch_policy: "str | PrefetchPolicy" = PrefetchPolicy.WAIT_COMPLETE,
                  prefetch_timeout: float = 1.0,
-                 agree: Callable[[list[int]], list[int]] | None = None):
+                 agree: Callable[[list[int]], list[int]] | None = None,
+                 place: Callable[[list, int], np.ndarray] | None = None,
+                 adopt: Callable[[Any], None] | None = None):
         self.impl = impl
         # Several ranks holding shards of the same pages (TP) must take the same L3 decisions
         # although each reads and writes its own objects: ``agree(counts)`` returns the
         # element-wise minimum over the ranks (None: a single rank, decide alone).
         self._agree = agree
+        # Ranks that each hold some of the pages (CP): ``place(path, n)`` gives the L2 pages of
+        # up to ``n`` pages fetched after ``path`` (continuing its owner rotation, evicting for
+        # the ranks short of room; maybe fewer), ``adopt(node)`` records a prefetched node's
+        # rotation. None: plain allocation.
+        self._place, self._adopt = place, adopt
         self.page_size = page_size
         self.policy = PrefetchPolicy.parse(prefetch_policy)
         self.timeout = prefetch_timeout
@@ -288,14 +295,11 @@ class L3Tier:
             return 0
         parent = path[-1] if path else self._tree.root(namespace)
         self._pin(parent, +1)
-        short = n3 - alloc.free_pages
-        if short > 0:
-            self._evict_l2(short)
-        n = min(n3, alloc.free_pages)
+        pages = self._place(path, n3) if self._place is not None else self._alloc_l2(n3)
+        n = len(pages)
         if n == 0:
             self._pin(parent, -1)
             return 0
-        pages = alloc.alloc(n)
         job = self.submit("get", hashes[start:start + n], pages,
                           payload=(parent, toks[start * p:(start + n) * p].copy(), rid))
         self._events.emit(EV.RESTORE, op=job.op_id, rid=rid, pages=int(n), src="l3")
@@ -315,6 +319,15 @@ class L3Tier:
                 path.append(node)
                 return len(node.tokens) // p
         return 0
+
+    def _alloc_l2(self, n: int) -> np.ndarray:
+        """Up to ``n`` L2 pages, evicting for them (fewer when L2 cannot make room)."""
+        alloc = self._l2_alloc
+        short = n - alloc.free_pages
+        if short > 0:
+            self._evict_l2(short)
+        n = min(n, alloc.free_pages)
+        return alloc.alloc(n) if n else np.empty(0, dtype=np.int64)
 
     def _commit(self, job: Job):
         if job.error is not None:
@@ -352,6 +365,8 @@ class L3Tier:
             node.l3 = n_ok
             node.l3_hashes = list(job.hashes[:n_ok])
             node.last_access = tree.tick()
+            if self._adopt is not None:
+                self._adopt(node)
             self._touch(node)
             self._cache_counters["prefetch_pages"] += n_ok
             rest = pages[n_ok:]

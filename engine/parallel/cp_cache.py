@@ -58,6 +58,7 @@ class CPCache:
                 self.cache.l2 = OwnedPool(self.cache.l2, shape, rank)
         self.cut_pages = 0
         self.cuts = 0
+        self.agreeing = True        # off once the group stops (wait_all, close)
 
     def __getattr__(self, name: str) -> Any:
         # match, lock, unlock, load_back, poll, flush, wait_all, close, tree, events, ...
@@ -104,6 +105,16 @@ class CPCache:
         return self.cache.admit(tokens, namespace, rid=rid, priority=priority,
                                 extra_pages=extra_pages, reuse=reuse, place=place)
 
+    def wait_all(self) -> None:
+        """Finish every transfer; the group is stopping, so from now on this rank decides its
+        L3 results alone (a peer may already be gone)."""
+        self.agreeing = False
+        self.cache.wait_all()
+
+    def close(self) -> None:
+        self.agreeing = False
+        self.cache.close()
+
     def poll(self, limits: dict | None = None) -> dict[str, int]:
         """Commit finished transfers. With a process group, the ranks first agree on how many
         of each queue to commit — the fewest any rank has finished (``all_reduce(MIN)``) — so
@@ -117,6 +128,46 @@ class CPCache:
         ready = torch.tensor([self.cache.ready_count(q) for q in queues], dtype=torch.int64)
         dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=self.group)
         return self.cache.poll(limits=dict(zip(queues, ready.tolist())))
+
+    # ------------------------------------------------------------------ L3
+    def agree(self, values: list[int]) -> list[int]:
+        """The element-wise minimum of ``values`` over the CP group (alone: unchanged)."""
+        if self.group is None or not self.agreeing:
+            return list(values)
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return [int(v) for v in t.tolist()]
+
+    def attach_l3(self, impl: Any, prefetch_policy: str = "wait_complete",
+                  prefetch_timeout: float = 1.0) -> None:
+        """The facade's L3 tier, with the CP rules: the ranks agree on every L3 result (each
+        moves only its own pages, :class:`~engine.parallel.cp_store.OwnedStore`), and pages
+        prefetched after a path continue its owner rotation."""
+        self.cache.attach_l3(impl, prefetch_policy=prefetch_policy,
+                             prefetch_timeout=prefetch_timeout, agree=self.agree,
+                             place=self._l3_place, adopt=self._l3_adopt)
+
+    def _l3_place(self, path: Sequence[Node], n: int) -> np.ndarray:
+        """L2 pages for up to ``n`` pages fetched after ``path``: its rotation continued (a
+        fresh one at the root), evicting L2 for the ranks short of room; fewer when even
+        eviction leaves a rank short."""
+        cache, p = self.cache, self.cache.page_size
+        alloc: OwnerAllocator = cache.l2_alloc
+        start = self.path_start_owner(path)
+        first = alloc.fresh_owner() if start is None else self.shape.next_owner(
+            start, sum(len(node.tokens) // p for node in path))
+        short = alloc.shortfall(n, first_owner=first)
+        while short > 0 and cache.evict_l2(short):
+            short = alloc.shortfall(n, first_owner=first)
+        while n > 0 and alloc.shortfall(n, first_owner=first) > 0:
+            n -= 1
+        return alloc.alloc_rotation(n, first) if n else np.empty(0, dtype=np.int64)
+
+    def _l3_adopt(self, node: Node) -> None:
+        node.cp_owner = int(node.l2[0]) % self.shape.size
 
     # ------------------------------------------------------------------ insert
     def insert(self, tokens, pages: np.ndarray, namespace: str | None = None, rid: Any = None,

@@ -23,6 +23,8 @@ from engine.runtime.tokenizer import Tokenizer, gguf_tokenizer, load_tokenizer
 
 log = logging.getLogger("hicache.server")
 
+MEMORY_STORE_CP = ("--cp with the memory L3 backend: a memory store lives in one process and "
+                   "each CP rank is one; use file or mooncake")
 MEMORY_SHARE = 0.9      # of the memory available at start, the KV pools may take at most this
 
 
@@ -102,11 +104,15 @@ class ServerConfig:
             from engine.runtime.tp_serve import check_options
 
             check_options(self)
-        if self.cp > 1 and (self.speculative_num_draft_tokens or self.hicache_storage_backend
-                            or self.hicache_storage_backend_config or self.pp > 1
+        if self.cp > 1 and (self.speculative_num_draft_tokens or self.pp > 1
                             or self.disaggregation is not None):
-            raise ValueError("--cp > 1 does not combine with --pp, P/D disaggregation, "
-                             "speculative decoding or an L3 store yet")
+            raise ValueError("--cp > 1 does not combine with --pp, P/D disaggregation or "
+                             "speculative decoding yet")
+        if self.cp > 1 and self.tp > 1 and (self.hicache_storage_backend
+                                            or self.hicache_storage_backend_config):
+            raise ValueError("--tp with --cp does not combine with an L3 store yet")
+        if self.cp > 1 and self.hicache_storage_backend == "memory":
+            raise ValueError(MEMORY_STORE_CP)
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.l1_tokens < self.page_size:
@@ -428,6 +434,10 @@ class Engine:
                                           cfg.hicache_storage_size_limit)
         from engine.storage.placement import Placement
 
+        if cfg.cp > 1 and scfg.backend is BackendKind.MEMORY:
+            from engine.core.errors import UsageError
+
+            raise UsageError(MEMORY_STORE_CP)
         rank = self.cache.events.rank
         grid = cfg.hicache_storage_grid
         if grid is None and self.draft is not None and cfg.hicache_storage_layout == "unified":
@@ -451,6 +461,10 @@ class Engine:
             store.exists_deadline_s = min(store.guard.deadline_s,
                                           max(cfg.hicache_storage_prefetch_timeout, 0.05))
         self.l3_store = store
+        if cfg.cp > 1:                  # each CP rank moves the pages it owns
+            from engine.parallel.cp_store import OwnedStore
+
+            store = OwnedStore(store, self.cache.shape, self.cp_rank)
         self.cache.attach_l3(StoreTier(store, self.cache.l2),
                              prefetch_policy=cfg.hicache_storage_prefetch_policy,
                              prefetch_timeout=cfg.hicache_storage_prefetch_timeout)
