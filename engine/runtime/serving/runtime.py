@@ -108,9 +108,6 @@ class ServerConfig:
                             or self.disaggregation is not None):
             raise ValueError("--cp > 1 does not combine with --pp, P/D disaggregation or "
                              "speculative decoding yet")
-        if self.cp > 1 and self.tp > 1 and (self.hicache_storage_backend
-                                            or self.hicache_storage_backend_config):
-            raise ValueError("--tp with --cp does not combine with an L3 store yet")
         if self.cp > 1 and self.hicache_storage_backend == "memory":
             raise ValueError(MEMORY_STORE_CP)
         if self.page_size < 1:
@@ -464,7 +461,7 @@ class Engine:
         if cfg.cp > 1:                  # each CP rank moves the pages it owns
             from engine.parallel.cp_store import OwnedStore
 
-            store = OwnedStore(store, self.cache.shape, self.cp_rank)
+            store = OwnedStore(store, self.cache.shape, rank.cp_rank)
         self.cache.attach_l3(StoreTier(store, self.cache.l2),
                              prefetch_policy=cfg.hicache_storage_prefetch_policy,
                              prefetch_timeout=cfg.hicache_storage_prefetch_timeout)
