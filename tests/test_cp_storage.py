@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -194,4 +195,34 @@ def test_a_store_written_at_one_cp_size_serves_another(one_rank, tmp_path, write
         out, details = generate(h.url, PROMPTS[0])
     finally:
         h.stop()
+    assert out == want[0][0] and details["storage"] > 0, details
+
+
+@pytest.mark.mooncake
+def test_cp2_and_cp1_share_a_mooncake_store(one_rank, tmp_path):
+    """A network store: the CP ranks of a ``--cp 2`` server (two Mooncake clients) write the
+    pages they own; a cold ``--cp 1`` server beside it hits them."""
+    from tests.mooncake_master import MooncakeMaster
+
+    want, _ = one_rank
+    master = MooncakeMaster(tmp_path / "master").start()
+    conf = tmp_path / "mooncake.json"
+    conf.write_text(json.dumps({"backend": "mooncake", "mooncake": {
+        **{k: v for k, v in master.config_dict().items() if k != "device_name"},
+        "global_segment_size": "32mb", "local_buffer_size": "16mb"}}))
+    common = dict(hicache_storage_backend_config=str(conf))
+    try:
+        a = serve(2, **common)
+        try:
+            assert generate(a.url, PROMPTS[0])[0] == want[0][0]
+            time.sleep(0.5)                     # write-through reaches the store
+            b = serve(1, **common)              # cold L1/L2, same store
+            try:
+                out, details = generate(b.url, PROMPTS[0])
+            finally:
+                b.stop()
+        finally:
+            a.stop()
+    finally:
+        master.stop()
     assert out == want[0][0] and details["storage"] > 0, details
