@@ -55,6 +55,20 @@ def probe_backend(device: str, world: int, rank: int) -> tuple[str, str]:
     return backend, rank_device(device, rank, backend)
 
 
+def share_cores(device: str, world: int) -> Callable[[], None]:
+    """On the CPU the ranks of a host (``world`` of them) share its cores: this process takes
+    ``cores / world`` compute threads (ranks that each run a thread per core wait on each
+    other's oversubscribed threads at every all-reduce; measured in benchmarks/bench_tp.py).
+    Returns what restores the process's thread count (a server started in a longer-lived
+    process)."""
+    import os
+
+    before = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    return lambda: torch.set_num_threads(before)
+
+
 def rank_label(tp: int, cp: int) -> str:
     """What a group is called in messages: ``TP``, ``CP`` or ``TPxCP``."""
     return "TPxCP" if tp > 1 and cp > 1 else "TP" if tp > 1 else "CP"

@@ -19,7 +19,8 @@ from engine.cache.pool import HostLayout
 from engine.core.device import resolve_device
 from engine.runtime.model import Model, load_model
 from engine.runtime.scheduler import Scheduler, SchedulerConfig
-from engine.runtime.tokenizer import Tokenizer, gguf_tokenizer, load_tokenizer
+from engine.runtime.serving.model_id import model_tag, model_tokenizer
+from engine.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("hicache.server")
 
@@ -263,10 +264,12 @@ class Engine:
         self.failure: str | None = None      # why a CP/TP group stopped (a rank died or hung)
         self.device = resolve_device(cfg.device)
         backend = None                  # of the TP all-reduce
+        self._restore_threads = None
         if cfg.tp > 1:
-            from engine.runtime.tp_serve import probe_backend
+            from engine.runtime.tp_serve import probe_backend, share_cores
 
             backend, self.device = probe_backend(self.device, cfg.ranks, cp_rank)
+            self._restore_threads = share_cores(self.device, cfg.ranks // cfg.nnodes)
         self.model: Model = load_model(cfg.model, self.device, seed=cfg.seed, exact=cfg.exact)
         self.num_params = self.model.cfg.num_params()     # of the whole model (before TP/PP)
         if cfg.tp > 1:                  # a shape that does not split: said before spawning
@@ -564,6 +567,8 @@ class Engine:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+        if self._restore_threads is not None:
+            self._restore_threads()
         if self._tmp_tokenizer and self.tokenizer_path:
             shutil.rmtree(self.tokenizer_path, ignore_errors=True)
         if self.stage_procs:
@@ -601,30 +606,3 @@ class Engine:
                 "speculative": None if self.scheduler.spec is None else {
                     **self.scheduler.spec.stats(),
                     "kv_bytes_per_token": self.kv_bytes_per_token}}
-
-
-def model_tokenizer(spec: str, mc: Any) -> Tokenizer | None:
-    """The tokenizer of a preset (bytes), a checkpoint directory or a GGUF model."""
-    from engine.runtime.model.gguf_loader import gguf_tokenizer_spec, open_gguf, resolve_gguf
-
-    path = resolve_gguf(spec)
-    if path is not None:
-        return gguf_tokenizer(gguf_tokenizer_spec(open_gguf(path)), mc.vocab_size)
-    return load_tokenizer(spec if os.path.isdir(spec) else None, mc.vocab_size, mc.bos_id,
-                          mc.eos_ids[0] if mc.eos_ids else None)
-
-
-def model_tag(spec: str, mc: Any) -> str:
-    """What L3 keys carry so that different models (or seeds) never share stored KV."""
-    from engine.runtime.model.gguf_loader import file_digest, resolve_gguf
-
-    gguf = resolve_gguf(spec)
-    if gguf is not None:
-        return f"{mc.name}/gguf-{file_digest(gguf)}"
-    if os.path.isdir(spec):
-        import hashlib
-
-        with open(os.path.join(spec, "config.json"), "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()[:16]
-        return f"{mc.name}/config-{digest}"
-    return f"{mc.name}/seed-{getattr(mc, 'seed', None)}"
