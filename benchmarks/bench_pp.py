@@ -2,10 +2,12 @@
 throughput and TTFT side by side (docs/parallelism.md).
 
     .venv/bin/python benchmarks/bench_pp.py [--clients 4] [--rounds 4] [--delay 1:5]
+                                            [--micro-batches 1,2]
 
-Both servers run in this process tree on this machine, one after the other, with the same L1/L2
-sizes and the same workload. On a 2-core machine expect no gain: the stages run one batch at a
-time and share the cores.
+The servers run in this process tree on this machine, one after the other, with the same L1/L2
+sizes and the same workload: --pp 1, then --pp 2 once per --micro-batches value (1: the stages
+take turns; 2 and more: a step's batch is cut so stage 0 works on micro-batch m + 1 while stage
+1 works on m). The stages share the machine's cores: on 2 cores expect little or no gain.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from engine.loadgen import LoadConfig, multiturn, run_load, summarize_result  # 
 from engine.runtime.serving import ServerConfig, start_server  # noqa: E402
 
 
-def one(pp: int, args) -> dict:
+def one(pp: int, args, micro_batches: int = 0) -> dict:
     cfg = ServerConfig(port=0, l1_tokens=args.l1_tokens, l2_tokens=4 * args.l1_tokens, pp=pp,
-                       debug_transfer_delay=args.delay if pp > 1 else None)
+                       debug_transfer_delay=args.delay if pp > 1 else None,
+                       pp_micro_batches=micro_batches if pp > 1 else 0)
     h = start_server(cfg)
     try:
         wl = multiturn(num_clients=args.clients, num_rounds=args.rounds,
@@ -31,7 +34,8 @@ def one(pp: int, args) -> dict:
         rep = summarize_result(run_load(wl, LoadConfig(url=h.url, concurrency=args.clients)))
     finally:
         h.stop()
-    return {"pp": pp, "ok": rep["requests"]["ok"], "sent": rep["requests"]["sent"],
+    name = f"--pp {pp}" + (f" mb {micro_batches or pp}" if pp > 1 else "")
+    return {"server": name, "ok": rep["requests"]["ok"], "sent": rep["requests"]["sent"],
             "hit_rate": rep["hit_rate"]["total"], "ttft_p50_s": rep["ttft_s"]["p50"],
             "ttft_p99_s": rep["ttft_s"]["p99"],
             "input_tokens_per_s": rep["throughput"]["input_tokens_per_s"],
@@ -46,18 +50,19 @@ def main() -> None:
     ap.add_argument("--output-length", type=int, default=16)
     ap.add_argument("--l1-tokens", type=int, default=2048)
     ap.add_argument("--delay", default=None, help="--debug-transfer-delay for the --pp 2 run")
+    ap.add_argument("--micro-batches", default="1,2",
+                    help="--pp-micro-batches values for the --pp 2 runs, comma-separated")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    rows = [one(1, args), one(2, args)]
+    rows = [one(1, args)] + [one(2, args, int(m)) for m in args.micro_batches.split(",")]
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    print(f"{'':22}{'--pp 1':>12}{'--pp 2':>12}")
+    print(f"{'':22}" + "".join(f"{r['server']:>14}" for r in rows))
     for key in ("ok", "hit_rate", "ttft_p50_s", "ttft_p99_s", "input_tokens_per_s",
                 "output_tokens_per_s"):
-        a, b = rows[0][key], rows[1][key]
-        fmt = (lambda v: f"{v:.3f}") if isinstance(a, float) else str
-        print(f"{key:22}{fmt(a):>12}{fmt(b):>12}")
+        fmt = (lambda v: f"{v:.3f}") if isinstance(rows[0][key], float) else str
+        print(f"{key:22}" + "".join(f"{fmt(r[key]):>14}" for r in rows))
 
 
 if __name__ == "__main__":

@@ -186,7 +186,7 @@ def test_micro_batches_cut_the_batch_in_order():
     chunks = [Chunk([5], 9, pages), Chunk(np.arange(10), 0, pages, all_logits=True),
               Chunk(np.arange(7) + 20, 3, pages), Chunk([6], 4, pages)]
     for n in (1, 2, 3, 5, 40):
-        mbs = micro_batches(chunks, n)
+        mbs = micro_batches(chunks, n, min_tokens=1)
         assert 1 <= len(mbs) <= min(n, 19) and all(mbs)
         pieces = iter(c for mb in mbs for c in mb)
         for c in chunks:              # each chunk comes back as consecutive pieces, in order
@@ -199,8 +199,10 @@ def test_micro_batches_cut_the_batch_in_order():
                 assert piece.logits == (len(toks) == len(c))   # only the last piece's logits
             assert toks == list(c.tokens)
         assert next(pieces, None) is None
-    assert len(micro_batches(chunks, 2)) == 2
-    assert [len(mb) for mb in micro_batches([Chunk([1], 0, pages)] * 4, 2)] == [2, 2]
+    assert len(micro_batches(chunks, 2, min_tokens=1)) == 2
+    assert [len(mb) for mb in micro_batches([Chunk([1], 0, pages)] * 4, 2, 1)] == [2, 2]
+    assert len(micro_batches(chunks, 4, min_tokens=8)) == 2      # 19 tokens: two of >= 8
+    assert len(micro_batches([Chunk([1], 0, pages)] * 4, 2, 8)) == 1   # a small decode step
 
 
 def test_two_stages_over_micro_batches_compute_what_one_model_does():
@@ -218,7 +220,7 @@ def test_two_stages_over_micro_batches_compute_what_one_model_does():
 
     whole = model.forward(batch(0), pools[0].buf, 16)
     outs = []
-    for mb0, mb1 in zip(micro_batches(batch(1), 3), micro_batches(batch(2), 3)):
+    for mb0, mb1 in zip(micro_batches(batch(1), 3), micro_batches(batch(2), 3)):   # 108 tokens
         hidden = s0.forward(mb0, pools[1].buf, 16, hidden_out=True)
         outs.append(s1.forward(mb1, pools[2].buf, 16, hidden_in=hidden))
     assert len(outs) == 3 and torch.equal(torch.cat(outs), whole)

@@ -77,14 +77,21 @@ def parse_delay(spec: str | None, num_stages: int) -> dict[int, float]:
     return out
 
 
-def micro_batches(chunks: list[Chunk], n: int) -> list[list[Chunk]]:
-    """Cut a step's chunks into at most ``n`` micro-batches of about equal token counts, in
-    order. A prefill chunk may be cut in two (or more): its earlier pieces ask for no logits
-    (``all_logits`` pieces keep theirs, so the rows still come out in chunk order); a piece's
-    attention sees the KV its predecessors wrote, as chunked prefill does, so the result is
-    the uncut chunk's. Decode chunks (one token) are never cut."""
+# A forward has a fixed cost (per layer, per chunk) that a few tokens do not outweigh: a step
+# is cut only into micro-batches of at least this many tokens (a decode step of a few requests
+# stays whole; measured in benchmarks/bench_pp.py).
+MIN_MICRO_BATCH_TOKENS = 32
+
+
+def micro_batches(chunks: list[Chunk], n: int,
+                  min_tokens: int = MIN_MICRO_BATCH_TOKENS) -> list[list[Chunk]]:
+    """Cut a step's chunks into at most ``n`` micro-batches of about equal token counts (each
+    at least ``min_tokens``), in order. A prefill chunk may be cut in two (or more): its
+    earlier pieces ask for no logits (``all_logits`` pieces keep theirs, so the rows still come
+    out in chunk order); a piece's attention sees the KV its predecessors wrote, as chunked
+    prefill does, so the result is the uncut chunk's. Decode chunks (one token) are never cut."""
     total = sum(len(c) for c in chunks)
-    n = max(1, min(n, total))
+    n = max(1, min(n, total // max(1, min_tokens)))
     if n == 1:
         return [list(chunks)]
     out: list[list[Chunk]] = [[]]
