@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -42,6 +43,18 @@ def one(pp: int, args, micro_batches: int = 0) -> dict:
             "output_tokens_per_s": rep["throughput"]["output_tokens_per_s"]}
 
 
+def median_row(rows: list[dict]) -> dict:
+    """Per metric, the median over the repeats (``ok``: the fewest)."""
+    out = dict(rows[0])
+    for key, v in rows[0].items():
+        if key == "ok":
+            out[key] = min(r[key] for r in rows)
+        elif isinstance(v, (int, float)) and v is not None:
+            out[key] = statistics.median(r[key] for r in rows)
+    out["repeats"] = len(rows)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, default=4)
@@ -52,9 +65,14 @@ def main() -> None:
     ap.add_argument("--delay", default=None, help="--debug-transfer-delay for the --pp 2 run")
     ap.add_argument("--micro-batches", default="1,2",
                     help="--pp-micro-batches values for the --pp 2 runs, comma-separated")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the servers this many times, interleaved, and report medians "
+                         "(a shared, loaded machine varies more between runs than servers do)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    rows = [one(1, args)] + [one(2, args, int(m)) for m in args.micro_batches.split(",")]
+    configs = [(1, 0)] + [(2, int(m)) for m in args.micro_batches.split(",")]
+    runs = [[one(pp, args, mb) for pp, mb in configs] for _ in range(max(1, args.repeat))]
+    rows = [median_row([r[i] for r in runs]) for i in range(len(configs))]
     if args.json:
         print(json.dumps(rows, indent=2))
         return
