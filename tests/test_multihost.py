@@ -2,9 +2,10 @@
 (`--nnodes 2 --node-rank R --dist-init-addr HOST:PORT`):
 
 * a 2-rank CP replay: the ranks agree online and the result equals the single-node run;
-* `bench serve --cp 2`, `--tp 2` and `--pp 2`: node 0 serves HTTP, node 1 runs its rank only; the outputs
-  (and cache hits) equal the single-node server's, node 1 exits cleanly when node 0 stops, the
-  two nodes' rank logs are consistent and node 1's tree snapshot shows the rotation.
+* `bench serve --cp 2`, `--tp 2` and `--pp 2`: node 0 serves HTTP, node 1 runs its rank only;
+  the outputs (and cache hits) equal the single-node server's, node 1 exits cleanly when node 0
+  stops, the two nodes' rank logs are consistent and node 1's tree snapshot shows the rotation;
+* `--tp 2 --cp 2`, two ranks a node: tokens equal one rank's, the four logs agree.
 
 The namespaces need root (as in CI); those tests are skipped with the reason elsewhere. The
 flag checks run everywhere."""
@@ -185,6 +186,37 @@ def test_serve_on_two_nodes_equals_one_node(two_hosts, tmp_path, mode):
         own = view["owners"]
         assert own["segments"] >= 1 and own["restarts"] == 0
         assert all(w["pages"] > 0 for w in own["owners"])
+
+
+def test_four_ranks_on_two_nodes_two_each(two_hosts, tmp_path):
+    """``--tp 2 --cp 2`` over two nodes: node 0 runs ranks 0 and 1 (the leader and a local
+    follower), node 1 ranks 2 and 3; tokens equal one rank's, the four logs agree."""
+    (a, dev_a), (b, dev_b) = two_hosts
+    mode = ["--tp", "2", "--cp", "2", "--nnodes", "2", "--dist-init-addr", "10.231.7.1:29534"]
+    out = {r: tmp_path / f"n{r}" for r in (0, 1)}
+    n1 = _popen(b, dev_b, "-m", "hicache_cli.app", *SERVE, *mode, "--node-rank", "1",
+                "--rank-log-dir", str(out[1]))
+    n0 = _popen(a, dev_a, "-m", "hicache_cli.app", *SERVE, *mode, "--node-rank", "0",
+                "--rank-log-dir", str(out[0]))
+    try:
+        assert _first_line(n1)["ranks"] == [2, 3]
+        got = _client(a, _first_line(n0)["url"])
+    finally:
+        _stop(n0, n1)
+    single = _popen(None, None, "-m", "hicache_cli.app", *SERVE)       # one rank
+    try:
+        one = _client(None, _first_line(single)["url"])
+    finally:
+        _stop(single)
+    assert [o for o, _ in got] == [o for o, _ in one]
+    assert sorted(os.listdir(out[0])) == ["rank0.ranklog", "rank1.ranklog"]
+    assert sorted(os.listdir(out[1])) == ["rank2.ranklog", "rank3.ranklog"]
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for r in range(4):
+        shutil.copy(out[r // 2] / f"rank{r}.ranklog", logs)
+    res = CliRunner().invoke(app, ["consensus-check", str(logs), "--format", "json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["consistent"] is True, res.output
 
 
 @pytest.mark.parametrize("args, message", [
