@@ -108,7 +108,7 @@ def test_a_killed_tp_rank_stops_the_server_naming_it(tmp_path):
 def test_tp_options_that_do_not_fit_are_refused():
     with pytest.raises(ValueError, match="attention heads do not split"):
         ServerConfig(tp=3)
-    with pytest.raises(ValueError, match="L3 store"):
+    with pytest.raises(ValueError, match="memory L3 backend"):
         ServerConfig(tp=2, cp=2, hicache_storage_backend="memory")
     with pytest.raises(ValueError, match="not combine with --pp"):
         ServerConfig(tp=2, pp=2)

@@ -92,6 +92,10 @@ class HiCache:
         self._op_ids = itertools.count()   # one op-id sequence: transfers and L3 jobs
         self.transfers = TransferEngine(self.device, op_ids=self._op_ids)
         self.l3: L3Tier | None = None      # set by attach_l3
+        # A load that finished but is not committed yet counts as an L2 hit, not L1: set where
+        # several ranks must classify a match alike (each rank's copy finishes at its own time;
+        # the commit is the step they agree on).
+        self.hit_on_commit = False
         self._inflight: dict[OpKind, collections.deque[TransferOp]] = {
             k: collections.deque() for k in OpKind}
         self._t1 = Tier("l1", self.l1_alloc, l1_candidate, self._evict_l1_node)
@@ -180,8 +184,8 @@ class HiCache:
                 node.priority = priority
             if not node.lock_ref and (node.l2 is not None or not node.n_l1_children):
                 push(node)                 # only nodes that can be eviction candidates
-            if n1 < 0 and (node.l1 is None or (node.loading is not None
-                                               and not node.loading.done())):
+            if n1 < 0 and (node.l1 is None or (node.loading is not None and (
+                    self.hit_on_commit or not node.loading.done()))):
                 n1 = i
             if n1 < 0:
                 l1_len += len(node.tokens)

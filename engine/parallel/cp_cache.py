@@ -56,6 +56,7 @@ class CPCache:
             self.cache.l1 = OwnedPool(self.cache.l1, shape, rank)
             if self.cache.l2 is not None:
                 self.cache.l2 = OwnedPool(self.cache.l2, shape, rank)
+        self.cache.hit_on_commit = True     # ranks classify matches alike (facade)
         self.cut_pages = 0
         self.cuts = 0
         self.agreeing = True        # off once the group stops (wait_all, close)

@@ -148,6 +148,7 @@ def tp_cache(cache_cfg: Any, model: Any, cfg: Any, rank: int, events: Any) -> An
     tp_rank, cp_rank = split_rank(rank, cfg.tp)
     inner = (CPCache(cache_cfg, cfg.cp, events=events, rank=cp_rank) if cfg.cp > 1
              else HiCache(cache_cfg, events=events))
+    (inner.cache if cfg.cp > 1 else inner).hit_on_commit = True
     whole = model.kv_layout(cfg.page_size).whole()
     page_bytes = [whole.shard(cfg.tp, r).page_bytes for r in range(cfg.tp)]
     return TPCache(inner, cfg.tp, tp_rank, dist.group.WORLD, page_bytes)
