@@ -1,9 +1,11 @@
-"""One contract for every eviction policy in the registry, plus what ``bip`` adds.
+"""One contract for every eviction policy in the registry, plus what ``bip`` and ``density``
+add.
 
 Every policy: locked KV is never evicted, eviction is leaf-first (the tree stays healthy under
-random traffic with an L2), hit rates never beat the offline bound. ``bip``: it is LRU until it
-has measured reuse distances, and on a loop larger than the cache (where LRU hits nothing) it
-lowers its admission rate and hits.
+random traffic with an L2), hit rates never beat the offline bound. ``bip`` and ``density``: LRU
+until they have measured reuse distances; on a loop larger than the cache (where LRU hits
+nothing) they admit only part of it and hit. ``density`` also tells classes apart: one-shot
+long prompts are not admitted while short conversations that come back are.
 """
 
 import numpy as np
@@ -87,14 +89,15 @@ def _loop(policy, rounds=12, prompts=12, pages=4, cache_pages=24):
     return hits, c
 
 
-def test_bip_is_lru_before_it_has_measured_anything():
+@pytest.mark.parametrize("policy", ["bip", "density"])
+def test_adaptive_policies_are_lru_before_they_have_measured_anything(policy):
     def order(policy):
         c = make_cache(page_size=2, l1_pages=6, eviction_policy=policy, real=False)
         for t in (seq(0, 2), seq(10, 2), seq(20, 2), seq(0, 2), seq(30, 6)):
             serve(c, t)
         return evicted(c)
 
-    assert order("bip") == order("lru")
+    assert order(policy) == order("lru")
 
 
 def test_bip_hits_a_loop_larger_than_the_cache_where_lru_hits_nothing():
@@ -104,3 +107,80 @@ def test_bip_hits_a_loop_larger_than_the_cache_where_lru_hits_nothing():
     assert cache.policy.rate < 1.0
     assert bip > 0
     assert_healthy(cache, idle=True)
+
+
+def test_density_hits_a_loop_larger_than_the_cache_where_lru_hits_nothing():
+    lru, _ = _loop("lru")
+    dens, cache = _loop("density", rounds=16)
+    assert lru == 0
+    assert cache.policy.shares and min(cache.policy.shares.values()) < 1.0
+    assert dens > 0
+    assert_healthy(cache, idle=True)
+
+
+def _mixed(policy, sessions=160, cache_pages=64):
+    """Two kinds of traffic through one cache: long one-shot prompts (16 pages, never seen
+    again) and short conversations (2 pages) whose second turn comes back after about two
+    caches of insertions. Returns (hit tokens of second turns, cache)."""
+    c = make_cache(page_size=2, l1_pages=cache_pages, eviction_policy=policy, real=False)
+    hits = 0
+    pending = []
+    for i in range(sessions):
+        first = seq(1_000_000 + 1000 * i, 4)
+        serve(c, first, rid=("t1", i))
+        pending.append(first)
+        for j in range(3):                       # one-shot long prompts in between
+            serve(c, seq(10_000_000 + 100_000 * (3 * i + j), 32), rid=("x", i, j))
+        if len(pending) > 2:                     # the turn two sessions ago continues
+            prev = pending.pop(0)
+            hits += serve(c, prev + seq(prev[-1] + 1, 2), rid=("t2", i)).l1_len
+    return hits, c
+
+
+def test_density_keeps_the_class_that_comes_back_and_drops_one_shot_prompts():
+    lru, _ = _mixed("lru")
+    dens, cache = _mixed("density")
+    assert dens > 2 * max(lru, 1)
+    long_fresh = {k: v for k, v in cache.policy.shares.items() if k[1] >= 2 and not k[2]}
+    short_fresh = {k: v for k, v in cache.policy.shares.items() if k[1] == 0 and not k[2]}
+    assert long_fresh and max(long_fresh.values()) < 0.5
+    assert short_fresh and min(short_fresh.values()) == 1.0
+    assert_healthy(cache, idle=True)
+
+
+def test_density_counts_only_the_tokens_a_continuation_shares_with_its_ghost():
+    from engine.cache.policy_density import DensityPolicy
+
+    c = make_cache(page_size=2, l1_pages=8, eviction_policy="density", real=False)
+    pol: DensityPolicy = c.policy
+    serve(c, seq(0, 8), rid=0)                   # 4 pages, then pushed out
+    serve(c, seq(100, 16), rid=1)
+    assert c.match(seq(0, 8)).l1_len == 0
+    before = sum(sum(k.hist) for k in pol.classes.values())
+    serve(c, seq(0, 4) + seq(500, 6), rid=2)     # shares 2 of the evicted edge's 4 pages
+    after = sum(sum(k.hist) for k in pol.classes.values())
+    assert after - before == 4
+
+
+def test_density_solver_admits_dense_classes_first():
+    from engine.cache.policy_density import _NB, _Class, _bucket, solve_admission
+
+    def cls(reused_at, share_reused, touched=1000.0):
+        k = _Class()
+        k.touched = touched
+        if reused_at is not None:
+            k.hist[_bucket(reused_at)] = touched * share_reused
+        return k
+
+    classes = {
+        (1, 0, False): cls(300, 0.9),     # small, comes back at 3 caches: worth keeping
+        (1, 3, False): cls(None, 0.0),    # one-shot: never comes back
+        (2, 0, True): cls(50, 0.5),       # already reused: always admitted
+    }
+    shares = solve_admission(classes, span=3000.0, budget=100.0)
+    assert shares[(1, 0, False)] > 0.0
+    assert shares[(1, 3, False)] == 0.0
+    assert (2, 0, True) not in shares
+    assert len(classes[(1, 0, False)].hist) == _NB
+    # a cache big enough for everything: LRU
+    assert solve_admission(classes, span=3000.0, budget=1e9) == {}

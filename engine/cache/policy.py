@@ -66,12 +66,19 @@ def _bip(**kwargs) -> EvictionPolicy:
     return AdaptiveBIP(**kwargs)
 
 
+def _density(**kwargs) -> EvictionPolicy:
+    from engine.cache.policy_density import DensityPolicy
+
+    return DensityPolicy(**kwargs)
+
+
 class PolicyName(str, enum.Enum):
     lru = "lru"
     lfu = "lfu"
     priority = "priority"
     opt = "opt"
     bip = "bip"
+    density = "density"
 
 
 _REGISTRY: dict[str, Callable[..., EvictionPolicy]] = {
@@ -80,6 +87,7 @@ _REGISTRY: dict[str, Callable[..., EvictionPolicy]] = {
     "priority": Priority,
     "opt": Belady,
     "bip": _bip,
+    "density": _density,
 }
 
 

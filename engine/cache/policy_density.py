@@ -1,0 +1,292 @@
+"""``density``: admission by measured hit density per class of prefix.
+
+The problem (docs/eviction.md): on conversation traffic a new prefix comes back, if at all,
+after a reuse distance several times the cache. LRU keeps every new prefix a little, nearly all
+of them too short to be hit. Keeping only *some* new prefixes, for longer, turns the same space
+into hits — and which ones to keep can be learnt per class, because classes differ: a later turn
+of a conversation is continued far more often than a first turn, and a long new message less
+often than a short one.
+
+From the past only, the policy keeps:
+
+* a token clock (tokens of newly inserted nodes);
+* per node, the *interval* since its last touch (insertion or hit) and its class then. The
+  interval ends in a reuse when the node is hit, or when the edge it would re-create is
+  inserted again after it was evicted — a *ghost*, remembered by ``(parent id, first page)``
+  with the page ends (so the tokens really shared are counted) for 64 × L1 of insertions;
+* per class, a log-binned histogram of reuse distances (tokens reused) and the tokens whose
+  interval started in the class, both halved every 16 × L1 of insertions.
+
+A class is three facts known at the touch: the node's *turn* (its depth in the tree, counting an
+evicted edge it continues as one level: a ghost hit continues the ghost's turn), the tokens the
+touch added (for a continuation, beyond what it shares with the evicted edge), and whether the
+node was hit before. Nodes that were hit before are always admitted; everything admitted shares
+one LRU order.
+
+Every L1/8 of insertions it solves "which fresh classes to admit": admitted nodes all live about
+``T``; for each ``T`` on the histogram grid, the reused classes take their cache-time first,
+then fresh classes in order of hit density at ``T`` (``F_c(T) / E[min(d, T)]``), the marginal
+one in part (a hashed share of its nodes), until the L1 is full; the ``T`` with the most
+expected hits wins. When everything fits, or nothing beats admitting all, the policy is LRU.
+Sparse classes borrow from the pooled histogram (8 × L1 pseudo-tokens), so no decision rests on
+a handful of nodes. Until 4 × L1 tokens were inserted it is exactly LRU.
+
+A node's key is fixed at its touch: ``(clock + 2**60,)`` if admitted, ``(clock,)`` if not (the
+LRU end, evicted first), so the cache's heap, leaf-first order and locks are unchanged, and
+every rank that sees the same operations computes the same keys (the admission draw is a hash
+of the node id).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import numpy as np
+
+_BPO = 2                          # histogram buckets per octave of distance
+_NB = 48 * _BPO
+_ADMIT = float(1 << 60)           # key offset of admitted nodes (above every unadmitted key)
+_PRIOR = 8.0                      # pseudo-tokens, in L1 sizes, a class borrows from the pool
+_DECAY = 16                       # histograms halve every this many L1s of insertions
+_GHOST_HORIZON = 64               # ghosts are kept for this many L1s of insertions
+_WARMUP = 4                       # LRU until this many L1s were inserted
+_HASH_MUL = 0x9E3779B97F4A7C15
+_MASK = (1 << 64) - 1
+_MAX_TURN = 8
+_SIZE_BUCKETS = 4                 # added-token classes, a factor 4 apart (in pages)
+
+_EDGES = np.array([2.0 ** ((b + 1) / _BPO) - 1.0 for b in range(_NB)])   # bucket upper ends
+_MIDS = 0.5 * (_EDGES + np.concatenate(([0.0], _EDGES[:-1])))
+
+
+def _bucket(distance: float) -> int:
+    return min(int(_BPO * math.log2(distance + 1.0)), _NB - 1)
+
+
+class _Class:
+    __slots__ = ("hist", "touched")
+
+    def __init__(self):
+        self.hist = [0.0] * _NB       # reused tokens by reuse-distance bucket (pages)
+        self.touched = 0.0            # tokens whose interval started in this class
+
+
+# per-node state, a list indexed by these
+_SEEN, _KEY, _START, _CLS, _TURN, _HITS, _ADDED = range(7)
+
+
+class DensityPolicy:
+    """See the module docstring. ``capacity_tokens`` is learnt from :meth:`attach`."""
+
+    name = "density"
+
+    def __init__(self, capacity_tokens: int = 0, page_size: int = 1):
+        self.capacity = capacity_tokens
+        self.page_size = page_size
+        self.clock = 0                        # tokens of newly inserted nodes so far
+        self.inserted = 0.0                   # decayed copy of the same (the time span)
+        self.classes: dict[tuple, _Class] = collections.defaultdict(_Class)
+        self.ghosts: dict[tuple, tuple] = {}  # (parent id, first page) -> (clock, class, ends, turn)
+        self._ghost_fifo: collections.deque = collections.deque()
+        self.shares: dict[tuple, float] = {}  # fresh class -> admitted share; empty: LRU
+        self._next_choice = 0
+        self._next_decay = 0
+        self._tree = None
+        self._state: dict[int, list] = {}
+
+    # -- facade hook -----------------------------------------------------------------------
+    def attach(self, cache) -> None:
+        """Called by the cache that owns the policy: learn the L1 size and the page size."""
+        self.page_size = cache.page_size
+        self.capacity = cache.l1_alloc.num_pages * cache.page_size
+        self._tree = cache.tree
+
+    # -- ordering --------------------------------------------------------------------------
+    def key(self, node) -> tuple:
+        st = self._state.get(node.id)
+        now = node.last_access
+        if st is not None and st[_SEEN] == now:
+            return st[_KEY]
+        if st is None:
+            st = self._first_sight(node)
+        elif node.hit_count > st[_HITS]:
+            # a hit: the open interval ends in a reuse and a new one starts
+            self._record(st[_CLS], self.clock - st[_START], len(node.tokens))
+        else:
+            st[_SEEN] = now                   # touched without a hit (a split's lower half)
+            return st[_KEY]
+        st[_HITS] = node.hit_count
+        cls = self._class_of(node, st)
+        st[_START], st[_CLS] = self.clock, cls
+        self.classes[cls].touched += len(node.tokens)
+        self._remember(node, st)
+        st[_SEEN], st[_KEY] = now, self._key_for(node.id, cls)
+        return st[_KEY]
+
+    def _key_for(self, node_id: int, cls: tuple) -> tuple:
+        share = self.shares.get(cls, 1.0)
+        if share >= 1.0:
+            return (float(self.clock) + _ADMIT,)
+        h = ((node_id + 1) * _HASH_MUL) & _MASK
+        if (h >> 11) * (1.0 / (1 << 53)) < share:
+            return (float(self.clock) + _ADMIT,)
+        return (float(self.clock),)
+
+    def _class_of(self, node, st) -> tuple:
+        pages = max(st[_ADDED] // max(self.page_size, 1), 1)
+        size = min(int(math.log(pages, 4)), _SIZE_BUCKETS - 1)
+        return (min(st[_TURN], _MAX_TURN), size, node.hit_count > 0)
+
+    def _first_sight(self, node) -> list:
+        parent = node.parent
+        pst = self._state.get(parent.id) if parent is not None else None
+        turn = (pst[_TURN] + 1) if pst is not None else self._depth(node)
+        added = len(node.tokens)
+        if parent is not None and node.hit_count == 0 and not node.children:
+            # a newly inserted leaf: advance the clock; a ghost hit is a reuse after eviction
+            ghost = self.ghosts.pop((parent.id, node.tokens[:self.page_size].tobytes()), None)
+            if ghost is not None:
+                shared = self._shared(ghost[2], node)
+                self._record(ghost[1], self.clock - ghost[0], shared)
+                turn, added = ghost[3] + 1, max(added - shared, 1)
+            st = [-1, None, -1, None, turn, -1, added]
+            self.clock += len(node.tokens)
+            self.inserted += len(node.tokens)
+            if self.clock >= self._next_choice:
+                self._choose()
+        else:
+            # the upper half of a split (or a node first seen by a heap rebuild): the lower
+            # half's open interval was this node's, so a hit on it is that interval's reuse
+            st = [-1, None, -1, None, turn, -1, added]
+            lower = next(iter(node.children.values()), None) if node.children else None
+            lst = self._state.get(lower.id) if lower is not None else None
+            if lst is not None and lst[_START] >= 0 and node.hit_count > lst[_HITS]:
+                self._record(lst[_CLS], self.clock - lst[_START], len(node.tokens))
+        if len(self._state) > 4 * max(self._tree_nodes(), 1024):
+            self._prune()
+        self._state[node.id] = st
+        return st
+
+    def _shared(self, ends, node) -> int:
+        """Tokens a re-inserted edge shares with the evicted one (whole pages, by page ends)."""
+        p = self.page_size
+        new = node.tokens[p - 1::p]
+        n = min(len(new), len(ends))
+        same = new[:n] == ends[:n]
+        return (n if same.all() else int(same.argmin())) * p
+
+    @staticmethod
+    def _depth(node) -> int:
+        d = 0
+        while node.parent is not None:
+            d += 1
+            node = node.parent
+        return d
+
+    # -- measurement -----------------------------------------------------------------------
+    def _record(self, cls, distance: int, tokens: int) -> None:
+        if cls is not None:
+            self.classes[cls].hist[_bucket(distance / self.page_size)] += tokens
+
+    def _remember(self, node, st) -> None:
+        """The node's open interval, findable after eviction by the edge it would re-create."""
+        parent = node.parent
+        if parent is None:
+            return
+        p = self.page_size
+        gk = (parent.id, node.tokens[:p].tobytes())
+        self.ghosts[gk] = (self.clock, st[_CLS], node.tokens[p - 1::p], st[_TURN])
+        fifo = self._ghost_fifo
+        fifo.append((self.clock, gk))
+        horizon = self.clock - _GHOST_HORIZON * max(self.capacity, 1)
+        while fifo and fifo[0][0] < horizon:
+            _, old = fifo.popleft()
+            g = self.ghosts.get(old)
+            if g is not None and g[0] < horizon:
+                del self.ghosts[old]
+
+    def _choose(self) -> None:
+        cap = max(self.capacity, 1)
+        self._next_choice = self.clock + cap // 8 + 1
+        if self.clock >= self._next_decay:
+            if self._next_decay:
+                for c in self.classes.values():
+                    c.hist = [h * 0.5 for h in c.hist]
+                    c.touched *= 0.5
+                self.inserted *= 0.5
+            self._next_decay = self.clock + _DECAY * cap
+        if self.clock < _WARMUP * cap or self.inserted <= 0:
+            self.shares = {}
+            return
+        self.shares = solve_admission(self.classes, self.inserted, cap / self.page_size,
+                                      prior_tokens=_PRIOR * cap)
+
+    # -- housekeeping ----------------------------------------------------------------------
+    def _tree_nodes(self) -> int:
+        tree = self._tree
+        return tree.num_nodes if tree is not None else len(self._state)
+
+    def _prune(self) -> None:
+        tree = self._tree
+        if tree is None:
+            return
+        live = {n.id for n in tree.iter_nodes()}
+        self._state = {i: s for i, s in self._state.items() if i in live}
+
+
+def solve_admission(classes: dict, span: float, budget: float,
+                    prior_tokens: float = 0.0) -> dict:
+    """Admitted share per fresh class (``class[-1]`` false); ``{}`` means admit all (LRU).
+
+    ``span``: inserted tokens (decayed) over which ``touched`` and the histograms were counted,
+    so class ``c`` kept for ``T`` occupies ``touched_c / span · E[min(d, T)]`` pages of the
+    ``budget``; it earns ``touched_c / span · F_c(T)`` hits per clock token.
+    """
+    names = [c for c in classes if classes[c].touched > 0]
+    if not names:
+        return {}
+    hists = np.array([classes[c].hist for c in names])
+    touched = np.array([classes[c].touched for c in names])
+    shrunk = hists + (prior_tokens / touched.sum()) * hists.sum(axis=0)
+    t = touched[:, None] + prior_tokens
+    cum = np.cumsum(shrunk, axis=1)
+    held = np.cumsum(shrunk * _MIDS, axis=1) + np.maximum(t - cum, 0.0) * _EDGES
+    w = (touched / span)[:, None]
+    cost = w * held / t                      # pages class c occupies when kept for edge b
+    hits = w * cum / t                       # hits per clock token it then earns
+    fresh = np.array([not c[-1] for c in names])
+    total = cost.sum(axis=0)
+    b_lru = int(np.searchsorted(total, budget))
+    if b_lru >= len(total):
+        return {}                            # everything fits
+    fi = np.nonzero(fresh)[0]
+    if not len(fi):
+        return {}
+    # for every T (column) at once: reused classes first, then fresh ones by density
+    left = budget - cost[~fresh].sum(axis=0)
+    base = hits[~fresh].sum(axis=0)
+    fc, fh = cost[fi], hits[fi]
+    order = np.argsort(-fh / np.maximum(fc, 1e-300), axis=0, kind="stable")
+    sc = np.take_along_axis(fc, order, axis=0)
+    sh = np.take_along_axis(fh, order, axis=0)
+    cc = np.cumsum(sc, axis=0)
+    k = (cc < left[None, :]).sum(axis=0)               # fresh classes admitted whole
+    cols = np.arange(len(_EDGES))
+    full = k < len(fi)                                  # columns where the cache fills up
+    ok = full & (left > 0)
+    if not ok.any():
+        return {}
+    kk = np.minimum(k, len(fi) - 1)
+    before_c = np.where(k > 0, cc[np.maximum(k - 1, 0), cols], 0.0)
+    before_h = np.where(k > 0, np.cumsum(sh, axis=0)[np.maximum(k - 1, 0), cols], 0.0)
+    frac = np.clip((left - before_c) / np.maximum(sc[kk, cols], 1e-300), 0.0, 1.0)
+    gain = np.where(ok, base + before_h + frac * sh[kk, cols], -1.0)
+    b = int(np.argmax(gain))
+    if gain[b] <= hits[:, b_lru].sum():
+        return {}                            # no gain over admitting everything
+    shares = {names[i]: 0.0 for i in fi}
+    for r in range(k[b]):
+        shares[names[fi[order[r, b]]]] = 1.0
+    shares[names[fi[order[k[b], b]]]] = float(frac[b])
+    return shares
