@@ -163,7 +163,7 @@ def test_density_counts_only_the_tokens_a_continuation_shares_with_its_ghost():
 
 
 def test_density_solver_admits_dense_classes_first():
-    from engine.cache.policy_density import _NB, _Class, _bucket, solve_admission
+    from engine.cache.policy_density import _NB, _bucket, _Class, solve_admission
 
     def cls(reused_at, share_reused, touched=1000.0):
         k = _Class()
@@ -184,3 +184,25 @@ def test_density_solver_admits_dense_classes_first():
     assert len(classes[(1, 0, False)].hist) == _NB
     # a cache big enough for everything: LRU
     assert solve_admission(classes, span=3000.0, budget=1e9) == {}
+
+
+def test_density_admitting_everything_is_exactly_lru(monkeypatch):
+    """With no class filtered (the solver says LRU) the eviction order is LRU's, splits and
+    partial hits included."""
+    import engine.cache.policy_density as pd
+
+    monkeypatch.setattr(pd, "solve_admission", lambda *a, **k: {})
+
+    def run(policy):
+        rng = np.random.default_rng(3)
+        c = make_cache(page_size=2, l1_pages=10, eviction_policy=policy, real=False)
+        prefixes = [seq(100 * i, 6) for i in range(5)]
+        for step in range(200):
+            toks = prefixes[rng.integers(5)][:2 * int(rng.integers(1, 4))] \
+                + [int(x) for x in rng.integers(0, 40, rng.integers(0, 8))]
+            serve(c, toks, rid=step)
+        return evicted(c)
+
+    order = run("lru")
+    assert len(order) > 50
+    assert run("density") == order

@@ -31,10 +31,11 @@ expected hits wins. When everything fits, or nothing beats admitting all, the po
 Sparse classes borrow from the pooled histogram (8 × L1 pseudo-tokens), so no decision rests on
 a handful of nodes. Until 4 × L1 tokens were inserted it is exactly LRU.
 
-A node's key is fixed at its touch: ``(clock + 2**60,)`` if admitted, ``(clock,)`` if not (the
-LRU end, evicted first), so the cache's heap, leaf-first order and locks are unchanged, and
-every rank that sees the same operations computes the same keys (the admission draw is a hash
-of the node id).
+A node's key is fixed at its touch: ``(last_access + 2**60,)`` if admitted, ``(last_access,)``
+if not (the LRU end, evicted first) — admitting all is LRU exactly. The cache's heap, leaf-first
+order and locks are unchanged, and every rank that sees the same operations computes the same
+keys (the admission draw is a hash of the node id). A split's lower half (the part a request did
+not reuse) keeps its key while classes are filtered; LRU would refresh it.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import numpy as np
 
 _BPO = 2                          # histogram buckets per octave of distance
 _NB = 48 * _BPO
-_ADMIT = float(1 << 60)           # key offset of admitted nodes (above every unadmitted key)
+_ADMIT = 1 << 60                 # key offset of admitted nodes (above every unadmitted key)
 _PRIOR = 8.0                      # pseudo-tokens, in L1 sizes, a class borrows from the pool
 _DECAY = 16                       # histograms halve every this many L1s of insertions
 _GHOST_HORIZON = 64               # ghosts are kept for this many L1s of insertions
@@ -114,24 +115,30 @@ class DensityPolicy:
             # a hit: the open interval ends in a reuse and a new one starts
             self._record(st[_CLS], self.clock - st[_START], len(node.tokens))
         else:
-            st[_SEEN] = now                   # touched without a hit (a split's lower half)
+            # touched without a hit (a split's lower half, the part not reused): LRU refreshes
+            # it; while classes are filtered it keeps its key
+            st[_SEEN] = now
+            if not self.shares:
+                st[_KEY] = self._key_for(node.id, st[_CLS], now)
             return st[_KEY]
         st[_HITS] = node.hit_count
         cls = self._class_of(node, st)
         st[_START], st[_CLS] = self.clock, cls
         self.classes[cls].touched += len(node.tokens)
         self._remember(node, st)
-        st[_SEEN], st[_KEY] = now, self._key_for(node.id, cls)
+        st[_SEEN], st[_KEY] = now, self._key_for(node.id, cls, now)
         return st[_KEY]
 
-    def _key_for(self, node_id: int, cls: tuple) -> tuple:
+    def _key_for(self, node_id: int, cls, now: int) -> tuple:
+        """Recency as the cache's own clock (``last_access``), so admitting all is LRU exactly;
+        not admitted: below every admitted key."""
         share = self.shares.get(cls, 1.0)
         if share >= 1.0:
-            return (float(self.clock) + _ADMIT,)
+            return (now + _ADMIT,)
         h = ((node_id + 1) * _HASH_MUL) & _MASK
         if (h >> 11) * (1.0 / (1 << 53)) < share:
-            return (float(self.clock) + _ADMIT,)
-        return (float(self.clock),)
+            return (now + _ADMIT,)
+        return (now,)
 
     def _class_of(self, node, st) -> tuple:
         pages = max(st[_ADDED] // max(self.page_size, 1), 1)
@@ -208,7 +215,7 @@ class DensityPolicy:
 
     def _choose(self) -> None:
         cap = max(self.capacity, 1)
-        self._next_choice = self.clock + cap // 8 + 1
+        self._next_choice = self.clock + cap // 2 + 1
         if self.clock >= self._next_decay:
             if self._next_decay:
                 for c in self.classes.values():
