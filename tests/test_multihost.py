@@ -5,7 +5,8 @@
 * `bench serve --cp 2`, `--tp 2` and `--pp 2`: node 0 serves HTTP, node 1 runs its rank only;
   the outputs (and cache hits) equal the single-node server's, node 1 exits cleanly when node 0
   stops, the two nodes' rank logs are consistent and node 1's tree snapshot shows the rotation;
-* `--tp 2 --cp 2`, two ranks a node: tokens equal one rank's, the four logs agree.
+* `--tp 2 --cp 2`, two ranks a node: tokens equal one rank's, the four logs agree;
+* a rank killed on node 1 is named by node 0's server, which stops (exit 1).
 
 The namespaces need root (as in CI); those tests are skipped with the reason elsewhere. The
 flag checks run everywhere."""
@@ -217,6 +218,28 @@ def test_four_ranks_on_two_nodes_two_each(two_hosts, tmp_path):
         shutil.copy(out[r // 2] / f"rank{r}.ranklog", logs)
     res = CliRunner().invoke(app, ["consensus-check", str(logs), "--format", "json"])
     assert res.exit_code == 0 and json.loads(res.stdout)["consistent"] is True, res.output
+
+
+def test_a_rank_killed_on_node_1_is_named_by_node_0(two_hosts, tmp_path):
+    """Node 1 posts its dead rank on the rendezvous store: node 0's server stops naming it
+    (exit 1), and node 1 exits 1 too."""
+    (a, dev_a), (b, dev_b) = two_hosts
+    mode = ["--cp", "2", "--nnodes", "2", "--dist-init-addr", "10.231.7.1:29535"]
+    n1 = _popen(b, dev_b, "-m", "hicache_cli.app", *SERVE, *mode, "--node-rank", "1")
+    n0 = _popen(a, dev_a, "-m", "hicache_cli.app", *SERVE, *mode, "--node-rank", "0")
+    try:
+        pid = _first_line(n1)["pids"][0]
+        _client(a, _first_line(n0)["url"])           # serving: the group is up
+        os.kill(pid, signal.SIGKILL)
+        _, err0 = n0.communicate(timeout=120)
+        _, err1 = n1.communicate(timeout=120)
+    finally:
+        for p in (n0, n1):
+            if p.poll() is None:
+                p.kill()
+    assert n0.returncode == 1 and "rank 1 exited (code -9) on another node" in err0, err0
+    assert n1.returncode == 1 and "rank 1 exited (code -9)" in err1, err1
+    assert "Traceback" not in err0 + err1
 
 
 @pytest.mark.parametrize("args, message", [

@@ -82,10 +82,19 @@ class RankProcesses:
         gone.sort(key=lambda rc: (rc[1] == 1, rc[0]))
         return [f"rank {r} exited (code {c})" for r, c in gone]
 
-    def wait(self) -> list[str]:
-        """Block until every rank has exited; what :meth:`dead` says of those that failed."""
-        for p in self.procs.values():
-            p.join()
+    def wait(self, on_exit: Callable[[int, int], None] | None = None) -> list[str]:
+        """Block until every rank has exited (``on_exit(rank, code)`` as each one that failed
+        does); what :meth:`dead` says of those that failed."""
+        from multiprocessing.connection import wait
+
+        left = dict(self.procs)
+        while left:
+            wait([p.sentinel for p in left.values()])
+            for r, p in list(left.items()):
+                if not p.is_alive():
+                    del left[r]
+                    if p.exitcode != 0 and on_exit is not None:
+                        on_exit(r, p.exitcode)
         return [d for d in self.dead() if not d.endswith("(code 0)")]
 
     def join(self, timeout: float = 10.0) -> None:
@@ -94,6 +103,48 @@ class RankProcesses:
             if p.is_alive():
                 p.kill()
                 p.join(1.0)
+
+
+class ExitBoard:
+    """Where the nodes of a multi-host group post the exits of their ranks — the rendezvous
+    store that rank 0 hosts on node 0 — so node 0 can name a rank that died on another host
+    (its own ranks it watches as processes). Best effort: a store that cannot be reached (node 0
+    gone) is silently skipped."""
+
+    KEY = "hicache/exit/rank{}"
+
+    def __init__(self, addr: str, timeout_s: float = 2.0):
+        self.host, self.port = parse_addr(addr)
+        self.timeout_s = timeout_s
+        self._store: Any = None
+
+    def _client(self) -> Any:
+        if self._store is None:
+            import torch.distributed as dist
+
+            self._store = dist.TCPStore(self.host, self.port, is_master=False,
+                                        timeout=datetime.timedelta(seconds=self.timeout_s))
+        return self._store
+
+    def post(self, rank: int, code: int) -> None:
+        try:
+            self._client().set(self.KEY.format(rank), str(code))
+        except Exception:  # noqa: BLE001 - node 0 is gone: nobody left to tell
+            pass
+
+    def exits(self, ranks: Any) -> list[str]:
+        """``rank R exited (code C) on another node`` for each of ``ranks`` posted so far."""
+        out = []
+        try:
+            store = self._client()
+            for r in ranks:
+                key = self.KEY.format(r)
+                if store.check([key]):
+                    out.append(f"rank {r} exited (code {store.get(key).decode()}) on another "
+                               f"node")
+        except Exception:  # noqa: BLE001 - the store is gone with the group
+            pass
+        return out
 
 
 def _main(rank: int, world: int, port: int, timeout_s: float, target: Callable, args: tuple,

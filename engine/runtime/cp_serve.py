@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from engine.parallel.launch import RankFailed, RankProcesses, free_port, node_ranks
+from engine.parallel.launch import ExitBoard, RankFailed, RankProcesses, free_port, node_ranks
 from engine.runtime.cp_kv import ShardedKV
 from engine.runtime.scheduler.core import Scheduler
 from engine.runtime.scheduler.params import FinishReason
@@ -65,18 +65,23 @@ class RankScheduler(Scheduler):
         try:
             return self.sync(items)
         except Exception as exc:
-            self._broken = True
-            dead = []
-            for _ in range(30):                 # a rank that died may still be exiting
-                dead = self.dead_ranks()
-                if dead:
-                    break
-                threading.Event().wait(0.1)
+            raise self._failure(exc) from exc
+
+    def _failure(self, exc: BaseException) -> RankFailed:
+        """A failed collective as a :class:`RankFailed` naming the rank that died, if one did
+        (it may still be exiting: wait for it a moment)."""
+        self._broken = True
+        dead = []
+        for _ in range(30):
+            dead = self.dead_ranks()
             if dead:
-                raise RankFailed(f"{dead[0]}; the {self.group_name} group cannot continue") \
-                    from exc
-            raise RankFailed(f"a {self.group_name} collective failed ({type(exc).__name__}: "
-                             f"{exc}); a rank died or hung") from exc
+                break
+            threading.Event().wait(0.1)
+        if dead:
+            return RankFailed(f"{dead[0]}; the {self.group_name} group cannot continue")
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return RankFailed(f"a {self.group_name} collective failed ({type(exc).__name__}: "
+                          f"{first}); a rank died or hung")
 
     def step(self, block: bool = False) -> bool:
         if self.leader:
@@ -84,7 +89,10 @@ class RankScheduler(Scheduler):
                 return False       # no more collectives: the followers wait for the halt
             self._stepping = True
             try:
-                return super().step(block)
+                try:
+                    return super().step(block)
+                except RuntimeError as exc:   # a collective of the step (the transfer or
+                    raise self._failure(exc) from exc   # L3 agreement, a gather) lost a peer
             except RankFailed as exc:      # a known failure: one clear line, no traceback
                 log.error("%s", exc)
                 self.last_error = str(exc)
@@ -181,9 +189,14 @@ class Followers:
         for r, pid in self.procs.pids().items():
             log.info("%s rank %d: pid %d", label, r, pid)
         self._watch: threading.Thread | None = None
+        local = set(node_ranks(world, cfg.nnodes, 0))
+        self.remote = [r for r in range(world) if r not in local]   # on the other nodes
+        self.board = ExitBoard(self.addr) if self.remote else None
 
     def dead(self) -> list[str]:
-        return self.procs.dead()
+        """The ranks that exited: this node's, then those the other nodes posted."""
+        gone = self.procs.dead() + (self.board.exits(self.remote) if self.board else [])
+        return sorted(gone, key=lambda d: "(code 1)" in d)   # a killed rank before its peers
 
     def watch(self, scheduler: Scheduler, on_failure: Callable[[str], None]) -> None:
         """Background: once the scheduler stops on a rank failure, report it and stop."""
@@ -223,8 +236,9 @@ def follower_main(rank: int, world: int, addr: str, cfg, timeout_s: float) -> No
             sched.step(block=False)
         if cfg.snapshot_dir is not None:
             write_rank_snapshot(engine, cfg.snapshot_dir)
-    except RankFailed as exc:
-        log.error("rank %d: %s", rank, exc)
+    except (RankFailed, RuntimeError) as exc:     # the group is lost (a peer died or hung)
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        log.error("rank %d: lost the group: %s: %s", rank, type(exc).__name__, first)
         failed = True
     finally:
         engine.stop()

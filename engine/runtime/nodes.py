@@ -4,8 +4,9 @@ It runs its share of the ranks — CP or TP ranks (:func:`engine.runtime.cp_serv
 pipeline stages (:func:`engine.runtime.pipeline.stage_worker`) — as processes that join the group
 at the rendezvous on node 0 and step in lockstep with rank 0, which alone serves HTTP. When
 node 0 stops, it halts them: they write their rank logs (and CP tree snapshots) and exit 0, and
-so does this node. Stopping this node (Ctrl-C, SIGTERM) kills its ranks; node 0 then stops with
-a message saying a rank was lost.
+so does this node. A rank of this node that fails is posted on the rendezvous store
+(:class:`~engine.parallel.launch.ExitBoard`), so node 0 stops naming it. Stopping this node
+(Ctrl-C, SIGTERM) kills its ranks; node 0 then stops with a message saying a rank was lost.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import signal
 from typing import Any, Callable
 
-from engine.parallel.launch import RankProcesses, node_ranks
+from engine.parallel.launch import ExitBoard, RankProcesses, node_ranks
 
 
 def _terminate(signum: int, frame: Any) -> None:
@@ -36,7 +37,8 @@ def serve_node(cfg: Any, on_ready: Callable[[dict], None] | None = None) -> list
     try:
         if on_ready is not None:
             on_ready(group.pids())
-        return group.wait()
+        board = ExitBoard(cfg.dist_init_addr)      # node 0 names our dead ranks
+        return group.wait(on_exit=board.post)
     finally:
         group.join(timeout=0)            # stopped here: what still runs is killed
         signal.signal(signal.SIGTERM, previous)
