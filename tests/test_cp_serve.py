@@ -132,3 +132,19 @@ def test_bench_run_against_cp2_leaves_consistent_rank_logs(tmp_path):
     assert res.exit_code == 0, res.output
     check = json.loads(res.stdout)
     assert check["consistent"] is True and check["ranks"] == 2 and check["events"] > 0
+
+
+def test_flush_cache_answers_with_the_pools_after_the_flush():
+    """A rank group flushes at a step every rank sees; /flush_cache still reports the pools as
+    they are after it (read at the next step), not before."""
+    from engine.runtime.serving import ServerConfig, start_server
+
+    h = start_server(ServerConfig(port=0, l1_tokens=256, l2_tokens=2048, cp=2))
+    try:
+        generate(h.url, SCRIPT[0])
+        assert requests.get(h.url + "/metrics", timeout=10).ok
+        flushed = requests.post(h.url + "/flush_cache", timeout=60).json()
+    finally:
+        h.stop()
+    assert flushed["flushed"] and flushed["l1_used_tokens"] == 0, flushed
+    assert flushed["l2_used_tokens"] == 0, flushed
