@@ -6,7 +6,8 @@
   the outputs (and cache hits) equal the single-node server's, node 1 exits cleanly when node 0
   stops, the two nodes' rank logs are consistent and node 1's tree snapshot shows the rotation;
 * `--tp 2 --cp 2`, two ranks a node: tokens equal one rank's, the four logs agree;
-* a rank killed on node 1 is named by node 0's server, which stops (exit 1).
+* a rank killed on node 1 is named by node 0's server, which stops (exit 1); a pipeline stage
+  killed there turns node 0's `/health` unhealthy naming it.
 
 The namespaces need root (as in CI); those tests are skipped with the reason elsewhere. The
 flag checks run everywhere."""
@@ -240,6 +241,39 @@ def test_a_rank_killed_on_node_1_is_named_by_node_0(two_hosts, tmp_path):
     assert n0.returncode == 1 and "rank 1 exited (code -9) on another node" in err0, err0
     assert n1.returncode == 1 and "rank 1 exited (code -9)" in err1, err1
     assert "Traceback" not in err0 + err1
+
+
+HEALTH = """import sys, time, requests
+for _ in range(300):
+    r = requests.get(sys.argv[1] + "/health", timeout=5)
+    if r.status_code == 503:
+        print(r.text)
+        break
+    time.sleep(0.1)
+"""
+
+
+def test_a_stage_killed_on_node_1_turns_health_unhealthy_naming_it(two_hosts):
+    (a, dev_a), (b, dev_b) = two_hosts
+    mode = ["--pp", "2", "--nnodes", "2", "--dist-init-addr", "10.231.7.1:29536",
+            "--collective-timeout", "20"]
+    n1 = _popen(b, dev_b, "-m", "hicache_cli.app", *SERVE, *mode, "--node-rank", "1")
+    n0 = _popen(a, dev_a, "-m", "hicache_cli.app", *SERVE, *mode, "--node-rank", "0")
+    try:
+        pid = _first_line(n1)["pids"][0]
+        url = _first_line(n0)["url"]
+        _client(a, url)                              # serving: the pipeline is up
+        os.kill(pid, signal.SIGKILL)
+        probe = _popen(a, None, "-c", HEALTH, url)   # /health, from inside node 0's host
+        health, _ = probe.communicate(timeout=60)
+        _, err1 = n1.communicate(timeout=60)
+    finally:
+        for p in (n0, n1):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert "pipeline stage 1 exited (code -9) on another node" in health, health
+    assert n1.returncode == 1 and "rank 1 exited (code -9)" in err1, err1
 
 
 @pytest.mark.parametrize("args, message", [

@@ -132,19 +132,22 @@ class ExitBoard:
         except Exception:  # noqa: BLE001 - node 0 is gone: nobody left to tell
             pass
 
-    def exits(self, ranks: Any) -> list[str]:
-        """``rank R exited (code C) on another node`` for each of ``ranks`` posted so far."""
+    def posted(self, ranks: Any) -> list[tuple[int, str]]:
+        """``(rank, exit code)`` of each of ``ranks`` posted so far."""
         out = []
         try:
             store = self._client()
             for r in ranks:
                 key = self.KEY.format(r)
                 if store.check([key]):
-                    out.append(f"rank {r} exited (code {store.get(key).decode()}) on another "
-                               f"node")
+                    out.append((r, store.get(key).decode()))
         except Exception:  # noqa: BLE001 - the store is gone with the group
             pass
         return out
+
+    def exits(self, ranks: Any, what: str = "rank") -> list[str]:
+        """``rank R exited (code C) on another node`` for each of ``ranks`` posted so far."""
+        return [f"{what} {r} exited (code {c}) on another node" for r, c in self.posted(ranks)]
 
 
 def _main(rank: int, world: int, port: int, timeout_s: float, target: Callable, args: tuple,

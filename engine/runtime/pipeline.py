@@ -23,7 +23,7 @@ import logging
 import os
 import signal
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -129,6 +129,8 @@ class PipelineScheduler(Scheduler):
                            timeout_s=timeout_s)
         self._flush_pending = False
         self._stopping = False
+        # stage 0: which stage is gone, if one is (the engine's view of the stage processes)
+        self.dead_stage: Callable[[], str | None] = lambda: None
 
     # -- intake: stage 0 decides, every stage applies ----------------------------------------
     def request_flush(self) -> None:
@@ -232,7 +234,14 @@ class PipelineScheduler(Scheduler):
         except BaseException as exc:  # noqa: BLE001 - logged, then every request is failed
             log.exception("pipeline stage %d failed", self.stage)
             first_line = str(exc).splitlines()[0][:200] if str(exc) else ""
-            self.last_error = (f"pipeline stopped: stage {self.stage} lost its link to the other "
+            gone = None
+            for _ in range(30):         # a stage that died may still be exiting (or posting)
+                gone = self.dead_stage()
+                if gone:
+                    break
+                time.sleep(0.1)
+            self.last_error = (f"{gone}; the pipeline cannot continue" if gone else
+                               f"pipeline stopped: stage {self.stage} lost its link to the other "
                                f"stages (one died or hung): {type(exc).__name__}: {first_line}")
             self._fail_all(self.last_error)
         finally:

@@ -259,6 +259,7 @@ class Engine:
         self.stage = stage
         self.stage_procs: list = []           # this node's other pipeline stages (stage 0)
         self._stage_ids: list[int] = []
+        self._stage_board: tuple | None = None   # (ExitBoard, stages on other nodes)
         self.cp_rank = cp_rank
         self.followers = None
         self.failure: str | None = None      # why a CP/TP group stopped (a rank died or hung)
@@ -368,6 +369,7 @@ class Engine:
                 self.model, self.cache, sched_cfg, stage=stage, num_stages=cfg.pp,
                 pp_sync=cfg.pp_sync, timeout_s=cfg.collective_timeout_s,
                 num_micro_batches=cfg.pp_micro_batches)
+            self.scheduler.dead_stage = self.stage_health
         elif cfg.ranks > 1:
             from engine.runtime.cp_serve import RankScheduler, broadcast_sync, sharded_source
 
@@ -522,6 +524,11 @@ class Engine:
                               name="stage")
         self.stage_procs = list(group.procs.values())
         self._stage_ids = local
+        remote = [s for s in range(1, cfg.pp) if s not in local]
+        if remote:                      # stages on other nodes: they post their exits
+            from engine.parallel.launch import ExitBoard
+
+            self._stage_board = (ExitBoard(addr), remote)
         dist.init_process_group("gloo", init_method=f"tcp://{addr}", rank=0, world_size=cfg.pp,
                                 timeout=datetime.timedelta(seconds=cfg.collective_timeout_s))
 
@@ -543,6 +550,11 @@ class Engine:
         for s, p in zip(self._stage_ids, self.stage_procs):
             if not p.is_alive():
                 return f"pipeline stage {s} exited (code {p.exitcode})"
+        if self._stage_board is not None:
+            board, remote = self._stage_board
+            gone = board.exits(remote, what="stage")
+            if gone:
+                return f"pipeline {gone[0]}"
         return None
 
     def stop(self) -> None:
