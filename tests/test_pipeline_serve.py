@@ -111,11 +111,18 @@ def test_l3_hits_across_pipeline_servers(one_stage, tmp_path):
     assert details["storage"] > 0
 
 
-@pytest.mark.parametrize("policy", ["best_effort", "timeout"])
-def test_l3_prefetches_land_at_the_same_step_on_every_stage(one_stage, tmp_path, policy):
-    """best_effort / timeout prefetches are not waited for at admission; their results are
+@pytest.mark.parametrize("policy,delay,timeout,waited", [
+    ("best_effort", "1:40", 2.0, False),
+    ("timeout", "1:40", 2.0, True),          # stage 0 fast: the fetch lands in time
+    ("timeout", "0:400", 0.05, False),       # stage 0 slow: released at the timeout
+])
+def test_l3_prefetches_land_at_the_same_step_on_every_stage(one_stage, tmp_path, policy,
+                                                            delay, timeout, waited):
+    """best_effort / timeout prefetches are not committed at admission; their results are
     consumed through pp_sync (queue ``storage``), so a delayed stage 1 commits them at the
-    step stage 0 does: outputs equal, logs consistent, L3 pages reached the tree."""
+    step stage 0 does: outputs equal, logs consistent, L3 pages reached the tree. Under timeout
+    the request waits (in the queue) for its fetch and counts the pages as L3 hits, unless the
+    timeout passes first (stage 0 releases it: the same step on every stage)."""
     store = dict(hicache_storage_backend="file", hicache_storage_dir=str(tmp_path / "l3"))
     h = serve(pp=2, hicache_storage_prefetch_policy="wait_complete", **store)
     try:                                 # write the store, then start cold
@@ -123,15 +130,18 @@ def test_l3_prefetches_land_at_the_same_step_on_every_stage(one_stage, tmp_path,
     finally:
         h.stop()
     logs = tmp_path / "logs"
-    h = serve(pp=2, hicache_storage_prefetch_policy=policy, debug_transfer_delay="1:40",
-              rank_log_dir=str(logs), **store)
+    h = serve(pp=2, hicache_storage_prefetch_policy=policy, debug_transfer_delay=delay,
+              hicache_storage_prefetch_timeout=timeout, rank_log_dir=str(logs), **store)
     try:
-        got = [generate(h.url, p)[0] for p in (PROMPTS[0], PROMPTS[1], PROMPTS[0])]
-        prefetched = h.engine.cache.stats()["prefetch_pages"]
+        got = [generate(h.url, p) for p in (PROMPTS[0], PROMPTS[1], PROMPTS[0])]
+        time.sleep(1.0)                  # idle steps consume what a slow stage 0 finishes late
+        issued = h.engine.cache.counters["prefetch_pages_issued"]
     finally:
         h.stop()
-    assert got == [one_stage[i][0] for i in (0, 2, 0)]
-    assert prefetched > 0
+    assert [g[0] for g in got] == [one_stage[i][0] for i in (0, 2, 0)]
+    assert issued > 0
+    # whether the first request waited for its fetch and used it
+    assert (got[0][1]["storage"] > 0) == waited, got[0][1]
     code, report = check(logs)
     assert code == 0, report
     for rank in (0, 1):

@@ -17,6 +17,7 @@ different stages never collide and a store written by one shape serves another.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import logging
@@ -28,12 +29,13 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from engine.cache.l3 import PrefetchPolicy
 from engine.parallel.pp_sync import PPSync, adjacent_groups, links_for
 from engine.runtime.model import Chunk, Model
 from engine.runtime.model.weights import ModelWeights
 from engine.runtime.scheduler.core import FinishReason, Scheduler
 from engine.runtime.scheduler.params import SamplingParams
-from engine.runtime.scheduler.request import _Phase, _Req
+from engine.runtime.scheduler.request import _match_len, _Phase, _Req
 
 log = logging.getLogger("hicache.pipeline")
 
@@ -131,6 +133,8 @@ class PipelineScheduler(Scheduler):
         self._stopping = False
         # stage 0: which stage is gone, if one is (the engine's view of the stage processes)
         self.dead_stage: Callable[[], str | None] = lambda: None
+        self._l3_held: dict[str, tuple[Any, float]] = {}   # rid -> (its L3 fetch, started)
+        self._l3_probed: set[str] = set()
 
     # -- intake: stage 0 decides, every stage applies ----------------------------------------
     def request_flush(self) -> None:
@@ -156,6 +160,7 @@ class PipelineScheduler(Scheduler):
                 self._flush_pending = False
             if self._stop.is_set():
                 msg.append(("shutdown", None))
+            msg += self._l3_overdue()
             pending = {i.rid: i for k, i in events if k == "req"}
         box = [msg]
         torch.distributed.broadcast_object_list(box, src=0)
@@ -166,8 +171,11 @@ class PipelineScheduler(Scheduler):
                 self.cache.flush()
             elif kind == "shutdown":
                 self._stopping = True
+            elif kind == "l3_release":
+                self._l3_held.pop(item, None)
             else:
                 self._handle(kind, item)
+        self._hold_for_l3()
 
     def _rebuild(self, item: tuple) -> _Req:
         rid, ids, sampling, namespace, priority = item
@@ -180,6 +188,67 @@ class PipelineScheduler(Scheduler):
 
     def _consume_completions(self) -> None:
         self.sync.step(self.cache)
+
+    # -- L3 prefetch policy ``timeout``: a request waits for its fetch ---------------------------
+    # A pipeline commits L3 fetches only at the step pp_sync names (``L3Tier.ordered``), never at
+    # admission. So under ``timeout`` a request whose prefix L3 holds starts its fetch when it
+    # arrives and stays waiting (behind the others) until the fetch is committed — the same
+    # step on every stage — or until stage 0 sees the prefetch timeout pass and releases it in
+    # its intake; admitted, it finds the fetched pages in L2.
+    def _l3_timeout(self) -> Any:
+        l3 = getattr(self.cache, "l3", None)
+        if l3 is None or not l3.ordered or l3.policy is not PrefetchPolicy.TIMEOUT or \
+                self.config.disable_radix_cache:
+            return None
+        return l3
+
+    def _held(self, r: _Req) -> bool:
+        entry = self._l3_held.get(r.rid)
+        return entry is not None and entry[0] in self.cache.l3.inflight
+
+    def _hold_for_l3(self) -> None:
+        """Every stage, after the intake: start the fetch of each new waiting request; held
+        requests go to the back of the queue (the same order on every stage)."""
+        l3 = self._l3_timeout()
+        if l3 is None:
+            return
+        waiting = {r.rid for r in self._waiting}
+        self._l3_probed &= waiting
+        for rid in [k for k in self._l3_held if k not in waiting]:
+            del self._l3_held[rid]
+        for r in self._waiting:
+            if r.rid in self._l3_probed:
+                continue
+            self._l3_probed.add(r.rid)
+            before = len(l3.inflight)
+            self.cache.match(r.ids[:_match_len(r)], r.namespace, rid=r.rid, priority=r.priority)
+            if len(l3.inflight) > before and l3.inflight[-1].kind == "get":
+                self._l3_held[r.rid] = (l3.inflight[-1], time.monotonic())
+        if any(self._held(r) for r in self._waiting):
+            self._waiting = collections.deque(
+                [r for r in self._waiting if not self._held(r)] +
+                [r for r in self._waiting if self._held(r)])
+
+    def _l3_overdue(self) -> list:
+        """Stage 0: releases for held requests whose fetch outlived the prefetch timeout."""
+        l3 = self._l3_timeout()
+        if l3 is None:
+            return []
+        now = time.monotonic()
+        return [("l3_release", rid) for rid, (job, t0) in self._l3_held.items()
+                if now - t0 >= l3.timeout]
+
+    def _admit(self, r: _Req) -> bool:
+        if r.rid in self._l3_held and self._held(r):
+            return False
+        if not super()._admit(r):
+            return False
+        entry = self._l3_held.pop(r.rid, None)
+        if entry is not None:           # what its own fetch brought counts as an L3 hit
+            moved = min(int(entry[0].result or 0) * self.page_size, r.cached_host)
+            r.cached_host -= moved
+            r.cached_storage += moved
+        return True
 
     # -- the forward, stage by stage, micro-batch by micro-batch --------------------------------
     def _forward(self, chunks: list, reqs: list) -> torch.Tensor | None:
