@@ -28,6 +28,8 @@ Every L1/8 of insertions it solves "which fresh classes to admit": admitted node
 then fresh classes in order of hit density at ``T`` (``F_c(T) / E[min(d, T)]``), the marginal
 one in part (a hashed share of its nodes), until the L1 is full; the ``T`` with the most
 expected hits wins. When everything fits, or nothing beats admitting all, the policy is LRU.
+Switching is not free (an LRU phase admits everything and flushes the sample kept so far), so
+once it filters it goes back to LRU only when LRU is predicted 20% better.
 Sparse classes borrow from the pooled histogram (8 × L1 pseudo-tokens), so no decision rests on
 a handful of nodes. Until 4 × L1 tokens were inserted it is exactly LRU.
 
@@ -51,6 +53,7 @@ _ADMIT = 1 << 60                 # key offset of admitted nodes (above every una
 _PRIOR = 8.0                      # pseudo-tokens, in L1 sizes, a class borrows from the pool
 _DECAY = 16                       # histograms halve every this many L1s of insertions
 _GHOST_HORIZON = 64               # ghosts are kept for this many L1s of insertions
+_HYST = 0.2                       # while filtering, LRU must be predicted this much better
 _WARMUP = 4                       # LRU until this many L1s were inserted
 _HASH_MUL = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
@@ -226,8 +229,9 @@ class DensityPolicy:
         if self.clock < _WARMUP * cap or self.inserted <= 0:
             self.shares = {}
             return
+        hyst = 1.0 - _HYST if self.shares else 1.0
         self.shares = solve_admission(self.classes, self.inserted, cap / self.page_size,
-                                      prior_tokens=_PRIOR * cap)
+                                      prior_tokens=_PRIOR * cap, lru_weight=hyst)
 
     # -- housekeeping ----------------------------------------------------------------------
     def _tree_nodes(self) -> int:
@@ -243,7 +247,7 @@ class DensityPolicy:
 
 
 def solve_admission(classes: dict, span: float, budget: float,
-                    prior_tokens: float = 0.0) -> dict:
+                    prior_tokens: float = 0.0, lru_weight: float = 1.0) -> dict:
     """Admitted share per fresh class (``class[-1]`` false); ``{}`` means admit all (LRU).
 
     ``span``: inserted tokens (decayed) over which ``touched`` and the histograms were counted,
@@ -290,7 +294,7 @@ def solve_admission(classes: dict, span: float, budget: float,
     frac = np.clip((left - before_c) / np.maximum(sc[kk, cols], 1e-300), 0.0, 1.0)
     gain = np.where(ok, base + before_h + frac * sh[kk, cols], -1.0)
     b = int(np.argmax(gain))
-    if gain[b] <= hits[:, b_lru].sum():
+    if gain[b] <= lru_weight * hits[:, b_lru].sum():
         return {}                            # no gain over admitting everything
     shares = {names[i]: 0.0 for i in fi}
     for r in range(k[b]):
