@@ -151,12 +151,6 @@ def common_t(items, classes, caps):
     return res
 
 
-def _parse_tokens(text: str) -> int:
-    t = text.strip().lower()
-    mult = {"k": 1_000, "m": 1_000_000}.get(t[-1:], 1)
-    return int(float(t[:-1] if mult > 1 else t) * mult)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace")
@@ -167,8 +161,9 @@ def main(argv=None) -> int:
     sys.path.insert(0, ".")
     from engine.loadgen.trace import load_trace, read_trace
     from engine.sim.replay import ReplayConfig, ReplayInput, replay
+    from hicache_cli.options import token_counts
 
-    caps = [_parse_tokens(c) for c in args.capacities.split(",")]
+    caps = token_counts("--capacities", args.capacities)
     records = [{"timestamp": r.timestamp_ms, "input_length": r.input_length,
                 "hash_ids": list(r.hash_ids)} for r in read_trace(args.trace)]
     items = _items(records)

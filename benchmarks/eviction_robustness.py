@@ -68,15 +68,10 @@ def generate(path: str, seed: int, n: int, p_chat: float, p_doc: float, zipf: fl
                                 "input_length": len(h) * 512 - int(rng.integers(0, 400))}) + "\n")
 
 
-def _tokens(text: str) -> int:
-    t = text.strip().lower()
-    mult = {"k": 1_000, "m": 1_000_000}.get(t[-1:], 1)
-    return int(float(t[:-1] if mult > 1 else t) * mult)
-
-
 def main(argv=None) -> int:
     from engine.loadgen.trace import load_trace
     from engine.sim.replay import ReplayConfig, ReplayInput, replay
+    from hicache_cli.options import token_counts
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("traces", nargs="*")
@@ -86,7 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    caps = [_tokens(c) for c in args.capacities.split(",")]
+    caps = token_counts("--capacities", args.capacities)
     policies = args.policies.split(",")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -24,16 +24,15 @@ facade's heap, leaf-first order and locks are untouched.
 
 from __future__ import annotations
 
-import collections
 import math
+
+from engine.cache.policy_measured import GhostTable, MeasuringPolicy, drawn, edge_key
 
 _LIP = float(1 << 53)          # "LRU end": below every MRU key that the tree clock can reach
 _BUCKETS_PER_OCTAVE = 4
 _N_BUCKETS = 40 * _BUCKETS_PER_OCTAVE
 _RATES = tuple(2.0 ** -j for j in range(7))   # 1 … 1/64
 _MARGIN = 1.5                  # the model counts first reuses only: it flatters small rates
-_HASH_MUL = 0x9E3779B97F4A7C15
-_MASK = (1 << 64) - 1
 
 
 def _bucket(distance: float) -> int:
@@ -41,31 +40,21 @@ def _bucket(distance: float) -> int:
     return min(b, _N_BUCKETS - 1)
 
 
-class AdaptiveBIP:
+class AdaptiveBIP(MeasuringPolicy):
     """See the module docstring. ``capacity_tokens`` is learnt from :meth:`attach`."""
 
     name = "bip"
 
     def __init__(self, capacity_tokens: int = 0, page_size: int = 1):
-        self.capacity = capacity_tokens
-        self.page_size = page_size
+        super().__init__(capacity_tokens, page_size)
         self.clock = 0                       # tokens of newly inserted nodes so far
         self.inserted = 0.0                  # decayed copy of the same, the F denominator
         self.hist = [0.0] * _N_BUCKETS       # reused tokens by distance bucket (decayed)
-        self.ghosts: dict[tuple, int] = {}   # (parent id, first page) -> insertion clock
-        self._ghost_fifo: collections.deque = collections.deque()
+        self.ghosts = GhostTable()           # (parent id, first page) -> insertion clock
         self.rate = 1.0                      # current admission rate e
         self._next_choice = 0
         self._next_decay = 0
-        # per node: [last_access seen, key, insertion clock or -1 once reused]
-        self._state: dict[int, list] = {}
-
-    # -- facade hook -----------------------------------------------------------------------
-    def attach(self, cache) -> None:
-        """Called by the cache that owns the policy: learn the L1 size and the page size."""
-        self.page_size = cache.page_size
-        self.capacity = cache.l1_alloc.num_pages * cache.page_size
-        self._tree = cache.tree
+        # per node (self._state): [last_access seen, key, insertion clock or -1 once reused]
 
     # -- ordering --------------------------------------------------------------------------
     def key(self, node) -> tuple:
@@ -90,11 +79,11 @@ class AdaptiveBIP:
         st = None
         if parent is not None and node.hit_count == 0 and not node.children:
             # A newly inserted leaf: advance the clock; a ghost hit is a reuse after eviction.
-            gk = (parent.id, node.tokens[:self.page_size].tobytes())
-            born = self.ghosts.pop(gk, None)
-            if born is not None:
-                self._record(self.clock - born, len(node.tokens))
-            self._insert_ghost(gk)
+            gk = edge_key(parent.id, node, self.page_size)
+            ghost = self.ghosts.pop(gk)
+            if ghost is not None:
+                self._record(self.clock - ghost[0], len(node.tokens))
+            self.ghosts.put(gk, self.clock, None, self.clock - 64 * max(self.capacity, 1))
             st = [-1, None, self.clock]
             self.clock += len(node.tokens)
             self.inserted += len(node.tokens)
@@ -106,30 +95,15 @@ class AdaptiveBIP:
             lower = next(iter(node.children.values()), None) if node.children else None
             born = self._state.get(lower.id) if lower is not None else None
             st = [-1, None, born[2] if born is not None else -1]
-        if len(self._state) > 4 * max(self._tree_nodes(), 1024):
-            self._prune()
-        self._state[node.id] = st
+        self._keep_state(node.id, st)
         return st
 
     def _admit(self, node) -> bool:
-        if self.rate >= 1.0:
-            return True
-        h = ((node.id + 1) * _HASH_MUL) & _MASK
-        return (h >> 11) * (1.0 / (1 << 53)) < self.rate
+        return self.rate >= 1.0 or drawn(node.id, self.rate)
 
     # -- measurement -----------------------------------------------------------------------
     def _record(self, distance: int, tokens: int) -> None:
         self.hist[_bucket(distance / self.page_size)] += tokens
-
-    def _insert_ghost(self, gk: tuple) -> None:
-        self.ghosts[gk] = self.clock
-        fifo = self._ghost_fifo
-        fifo.append((self.clock, gk))
-        horizon = self.clock - 64 * max(self.capacity, 1)
-        while fifo and fifo[0][0] < horizon:
-            born, old = fifo.popleft()
-            if self.ghosts.get(old) == born:
-                del self.ghosts[old]
 
     def _choose_rate(self) -> None:
         """Pick e maximising e * F(C / e) from the histogram (LRU until there is data)."""
@@ -154,15 +128,3 @@ class AdaptiveBIP:
             if score > best_score * _MARGIN:   # a smaller rate must win clearly
                 best, best_score = e, score
         self.rate = best
-
-    # -- housekeeping ----------------------------------------------------------------------
-    def _tree_nodes(self) -> int:
-        tree = getattr(self, "_tree", None)
-        return tree.num_nodes if tree is not None else len(self._state)
-
-    def _prune(self) -> None:
-        tree = getattr(self, "_tree", None)
-        if tree is None:
-            return
-        live = {n.id for n in tree.iter_nodes()}
-        self._state = {i: s for i, s in self._state.items() if i in live}

@@ -47,6 +47,8 @@ import math
 
 import numpy as np
 
+from engine.cache.policy_measured import GhostTable, MeasuringPolicy, drawn, edge_key
+
 _BPO = 2                          # histogram buckets per octave of distance
 _NB = 48 * _BPO
 _ADMIT = 1 << 60                 # key offset of admitted nodes (above every unadmitted key)
@@ -55,8 +57,6 @@ _DECAY = 16                       # histograms halve every this many L1s of inse
 _GHOST_HORIZON = 64               # ghosts are kept for this many L1s of insertions
 _HYST = 0.2                       # while filtering, LRU must be predicted this much better
 _WARMUP = 4                       # LRU until this many L1s were inserted
-_HASH_MUL = 0x9E3779B97F4A7C15
-_MASK = (1 << 64) - 1
 _MAX_TURN = 8
 _SIZE_BUCKETS = 4                 # added-token classes, a factor 4 apart (in pages)
 
@@ -80,31 +80,20 @@ class _Class:
 _SEEN, _KEY, _START, _CLS, _TURN, _HITS, _ADDED = range(7)
 
 
-class DensityPolicy:
+class DensityPolicy(MeasuringPolicy):
     """See the module docstring. ``capacity_tokens`` is learnt from :meth:`attach`."""
 
     name = "density"
 
     def __init__(self, capacity_tokens: int = 0, page_size: int = 1):
-        self.capacity = capacity_tokens
-        self.page_size = page_size
+        super().__init__(capacity_tokens, page_size)
         self.clock = 0                        # tokens of newly inserted nodes so far
         self.inserted = 0.0                   # decayed copy of the same (the time span)
         self.classes: dict[tuple, _Class] = collections.defaultdict(_Class)
-        self.ghosts: dict[tuple, tuple] = {}  # (parent id, first page) -> (clock, class, ends, turn)
-        self._ghost_fifo: collections.deque = collections.deque()
+        self.ghosts = GhostTable()            # (parent id, first page) -> (class, ends, turn)
         self.shares: dict[tuple, float] = {}  # fresh class -> admitted share; empty: LRU
         self._next_choice = 0
         self._next_decay = 0
-        self._tree = None
-        self._state: dict[int, list] = {}
-
-    # -- facade hook -----------------------------------------------------------------------
-    def attach(self, cache) -> None:
-        """Called by the cache that owns the policy: learn the L1 size and the page size."""
-        self.page_size = cache.page_size
-        self.capacity = cache.l1_alloc.num_pages * cache.page_size
-        self._tree = cache.tree
 
     # -- ordering --------------------------------------------------------------------------
     def key(self, node) -> tuple:
@@ -136,10 +125,7 @@ class DensityPolicy:
         """Recency as the cache's own clock (``last_access``), so admitting all is LRU exactly;
         not admitted: below every admitted key."""
         share = self.shares.get(cls, 1.0)
-        if share >= 1.0:
-            return (now + _ADMIT,)
-        h = ((node_id + 1) * _HASH_MUL) & _MASK
-        if (h >> 11) * (1.0 / (1 << 53)) < share:
+        if share >= 1.0 or drawn(node_id, share):
             return (now + _ADMIT,)
         return (now,)
 
@@ -155,11 +141,12 @@ class DensityPolicy:
         added = len(node.tokens)
         if parent is not None and node.hit_count == 0 and not node.children:
             # a newly inserted leaf: advance the clock; a ghost hit is a reuse after eviction
-            ghost = self.ghosts.pop((parent.id, node.tokens[:self.page_size].tobytes()), None)
+            ghost = self.ghosts.pop(edge_key(parent.id, node, self.page_size))
             if ghost is not None:
-                shared = self._shared(ghost[2], node)
-                self._record(ghost[1], self.clock - ghost[0], shared)
-                turn, added = ghost[3] + 1, max(added - shared, 1)
+                born, (cls, ends, ghost_turn) = ghost
+                shared = self._shared(ends, node)
+                self._record(cls, self.clock - born, shared)
+                turn, added = ghost_turn + 1, max(added - shared, 1)
             st = [-1, None, -1, None, turn, -1, added]
             self.clock += len(node.tokens)
             self.inserted += len(node.tokens)
@@ -173,9 +160,7 @@ class DensityPolicy:
             lst = self._state.get(lower.id) if lower is not None else None
             if lst is not None and lst[_START] >= 0 and node.hit_count > lst[_HITS]:
                 self._record(lst[_CLS], self.clock - lst[_START], len(node.tokens))
-        if len(self._state) > 4 * max(self._tree_nodes(), 1024):
-            self._prune()
-        self._state[node.id] = st
+        self._keep_state(node.id, st)
         return st
 
     def _shared(self, ends, node) -> int:
@@ -201,20 +186,12 @@ class DensityPolicy:
 
     def _remember(self, node, st) -> None:
         """The node's open interval, findable after eviction by the edge it would re-create."""
-        parent = node.parent
-        if parent is None:
+        if node.parent is None:
             return
         p = self.page_size
-        gk = (parent.id, node.tokens[:p].tobytes())
-        self.ghosts[gk] = (self.clock, st[_CLS], node.tokens[p - 1::p], st[_TURN])
-        fifo = self._ghost_fifo
-        fifo.append((self.clock, gk))
-        horizon = self.clock - _GHOST_HORIZON * max(self.capacity, 1)
-        while fifo and fifo[0][0] < horizon:
-            _, old = fifo.popleft()
-            g = self.ghosts.get(old)
-            if g is not None and g[0] < horizon:
-                del self.ghosts[old]
+        self.ghosts.put(edge_key(node.parent.id, node, p), self.clock,
+                        (st[_CLS], node.tokens[p - 1::p], st[_TURN]),
+                        self.clock - _GHOST_HORIZON * max(self.capacity, 1))
 
     def _choose(self) -> None:
         cap = max(self.capacity, 1)
@@ -232,18 +209,6 @@ class DensityPolicy:
         hyst = 1.0 - _HYST if self.shares else 1.0
         self.shares = solve_admission(self.classes, self.inserted, cap / self.page_size,
                                       prior_tokens=_PRIOR * cap, lru_weight=hyst)
-
-    # -- housekeeping ----------------------------------------------------------------------
-    def _tree_nodes(self) -> int:
-        tree = self._tree
-        return tree.num_nodes if tree is not None else len(self._state)
-
-    def _prune(self) -> None:
-        tree = self._tree
-        if tree is None:
-            return
-        live = {n.id for n in tree.iter_nodes()}
-        self._state = {i: s for i, s in self._state.items() if i in live}
 
 
 def solve_admission(classes: dict, span: float, budget: float,
