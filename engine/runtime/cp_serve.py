@@ -69,12 +69,13 @@ class RankScheduler(Scheduler):
 
     def _failure(self, exc: BaseException) -> RankFailed:
         """A failed collective as a :class:`RankFailed` naming the rank that died, if one did
-        (it may still be exiting: wait for it a moment)."""
+        (it may still be exiting, or its node still posting it: wait for it a moment, and
+        prefer it to a peer that only lost the group)."""
         self._broken = True
         dead = []
-        for _ in range(30):
+        for _ in range(30):      # a killed rank, not a peer that exited (code 1) after it
             dead = self.dead_ranks()
-            if dead:
+            if any("(code 1)" not in d for d in dead):
                 break
             threading.Event().wait(0.1)
         if dead:
