@@ -83,6 +83,25 @@ def test_best_effort_does_not_wait_but_lands_later():
     assert_healthy(b, idle=True)
 
 
+def test_a_fetch_in_flight_is_not_issued_twice_and_lands_when_polled():
+    """A pipeline stage (``ordered``): a best_effort fetch waits for ``poll(limit)``; a second
+    request for the same prefix meanwhile starts no second fetch."""
+    backend = MemoryBackend(MemoryStoreConfig())
+    a = with_store(backend)
+    serve(a, seq(0, 8))
+    a.wait_all()
+    b = with_store(backend, policy="best_effort")
+    b.l3.ordered = True
+    assert b.match(seq(0, 8), rid="x").l3_len == 0
+    b.l3.inflight[0].event.wait()
+    assert b.match(seq(0, 8), rid="y").l3_len == 0      # done, but not consumed yet
+    assert len(b.l3.inflight) == 1 and b.counters["prefetch_pages_issued"] == 2
+    assert b.ready_count("storage") == 1
+    assert b.poll(limits={"storage": 1})["storage"] == 1
+    assert b.match(seq(0, 8), rid="z").l2_len == 8
+    assert_healthy(b, idle=True)
+
+
 def test_simulated_tier_capacity():
     c = make_cache(page_size=2, l1_pages=2, l2_pages=2, real=False)
     c.attach_l3(SimulatedTier(capacity_pages=4))

@@ -286,6 +286,9 @@ class L3Tier:
         """Fetch pages ``start…`` that L3 holds into L2 (a new node appended to ``path`` when
         committed now); returns the pages committed now."""
         p = self.page_size
+        if any(j.kind == "get" and j.hashes[:1] == hashes[start:start + 1]
+               for j in self.inflight):
+            return 0                       # already on its way (an earlier request's fetch)
         started = time.monotonic()
         n3 = self.exists_prefix(hashes[start:])
         if self._agree is not None:        # the pages every rank's store holds
