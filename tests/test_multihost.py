@@ -7,7 +7,8 @@
   stops, the two nodes' rank logs are consistent and node 1's tree snapshot shows the rotation;
 * `--tp 2 --cp 2`, two ranks a node: tokens equal one rank's, the four logs agree;
 * a rank killed on node 1 is named by node 0's server, which stops (exit 1); a pipeline stage
-  killed there turns node 0's `/health` unhealthy naming it.
+  killed there turns node 0's `/health` unhealthy naming it; a rank hung there (SIGSTOP) stops
+  node 0 after the collective timeout.
 
 The namespaces need root (as in CI); those tests are skipped with the reason elsewhere. The
 flag checks run everywhere."""
@@ -240,6 +241,50 @@ def test_a_rank_killed_on_node_1_is_named_by_node_0(two_hosts, tmp_path):
                 p.kill()
     assert n0.returncode == 1 and "rank 1 exited (code -9) on another node" in err0, err0
     assert n1.returncode == 1 and "rank 1 exited (code -9)" in err1, err1
+    assert "Traceback" not in err0 + err1
+
+
+ONE_REQUEST = """import sys, requests
+try:
+    r = requests.post(sys.argv[1] + "/generate", timeout=90, json={
+        "input_ids": list(range(40)), "sampling_params": {"max_new_tokens": 2}})
+    print(r.status_code)
+except requests.ConnectionError:
+    print("cut off")
+"""
+
+
+def test_a_hung_rank_on_node_1_stops_node_0_after_the_collective_timeout(two_hosts):
+    """A rank that stops answering (SIGSTOP) on another host: node 0's next collective times
+    out, the request fails and node 0's server stops (exit 1), no silent hang."""
+    (a, dev_a), (b, dev_b) = two_hosts
+    mode = ["--cp", "2", "--nnodes", "2", "--dist-init-addr", "10.231.7.1:29537",
+            "--collective-timeout", "15"]
+    n1 = _popen(b, dev_b, "-m", "hicache_cli.app", *SERVE, *mode, "--node-rank", "1")
+    n0 = _popen(a, dev_a, "-m", "hicache_cli.app", *SERVE, *mode, "--node-rank", "0")
+    pid = None
+    try:
+        pid = _first_line(n1)["pids"][0]
+        url = _first_line(n0)["url"]
+        os.kill(pid, signal.SIGSTOP)
+        req = _popen(a, None, "-c", ONE_REQUEST, url)
+        answer, _ = req.communicate(timeout=120)
+        _, err0 = n0.communicate(timeout=120)
+        os.kill(pid, signal.SIGCONT)                 # it finds its group gone and exits
+        _, err1 = n1.communicate(timeout=60)
+    finally:
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass                                 # gone already
+        for p in (n0, n1):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert answer.strip() != "200", answer
+    assert n0.returncode == 1 and "a rank died or hung" in err0, err0
+    assert n1.returncode == 1 and "lost the group" in err1, err1
     assert "Traceback" not in err0 + err1
 
 
