@@ -586,22 +586,10 @@ class HiCache:
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> dict[str, Any]:
-        p = self.page_size
-        c = self.counters
-        nodes = list(self.tree.iter_nodes())
-        locked = sum(len(n.tokens) for n in nodes if n.lock_ref > 0 and n.l1 is not None)
-        return {
-            "page_size": p,
-            "nodes": self.tree.num_nodes,
-            "l1_capacity_tokens": self.l1_alloc.num_pages * p,
-            "l1_used_tokens": self.l1_alloc.used_pages * p,
-            "l1_locked_tokens": locked,
-            "l2_capacity_tokens": self.l2_alloc.num_pages * p if self.l2_alloc else 0,
-            "l2_used_tokens": self.l2_alloc.used_pages * p if self.l2_alloc else 0,
-            **{k: c[k] for k in _STAT_COUNTERS},
-            "inflight_ops": sum(len(q) for q in self._inflight.values()),
-            "l3": self.l3.stats() if self.l3 is not None else None,
-        }
+        """Pool use, counters and the eviction policy's own account (engine/cache/report.py)."""
+        from engine.cache.report import cache_stats
+
+        return cache_stats(self, _STAT_COUNTERS)
 
     def close(self) -> None:
         self.wait_all()

@@ -52,6 +52,7 @@ class AdaptiveBIP(MeasuringPolicy):
         self.hist = [0.0] * _N_BUCKETS       # reused tokens by distance bucket (decayed)
         self.ghosts = GhostTable()           # (parent id, first page) -> insertion clock
         self.rate = 1.0                      # current admission rate e
+        self.not_admitted = 0                # touches placed at the LRU end
         self._next_choice = 0
         self._next_decay = 0
         # per node (self._state): [last_access seen, key, insertion clock or -1 once reused]
@@ -71,6 +72,7 @@ class AdaptiveBIP(MeasuringPolicy):
             k = (float(now),)
         else:
             k = (now - _LIP,)
+            self.not_admitted += 1
         st[0], st[1] = now, k
         return k
 
@@ -128,3 +130,7 @@ class AdaptiveBIP(MeasuringPolicy):
             if score > best_score * _MARGIN:   # a smaller rate must win clearly
                 best, best_score = e, score
         self.rate = best
+
+    def describe(self) -> dict:
+        """For ``HiCache.stats()``: the admission rate now and what it left out."""
+        return {"admission_rate": self.rate, "not_admitted": self.not_admitted}

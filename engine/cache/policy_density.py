@@ -94,6 +94,9 @@ class DensityPolicy(MeasuringPolicy):
         self.shares: dict[tuple, float] = {}  # fresh class -> admitted share; empty: LRU
         self._next_choice = 0
         self._next_decay = 0
+        self.decisions = 0                    # solves after the warm-up
+        self.filtering_decisions = 0          # ... that filtered some class
+        self.not_admitted = 0                 # touches placed at the LRU end
 
     # -- ordering --------------------------------------------------------------------------
     def key(self, node) -> tuple:
@@ -119,6 +122,8 @@ class DensityPolicy(MeasuringPolicy):
         self.classes[cls].touched += len(node.tokens)
         self._remember(node, st)
         st[_SEEN], st[_KEY] = now, self._key_for(node.id, cls, now)
+        if st[_KEY][0] < _ADMIT:
+            self.not_admitted += 1
         return st[_KEY]
 
     def _key_for(self, node_id: int, cls, now: int) -> tuple:
@@ -209,6 +214,16 @@ class DensityPolicy(MeasuringPolicy):
         hyst = 1.0 - _HYST if self.shares else 1.0
         self.shares = solve_admission(self.classes, self.inserted, cap / self.page_size,
                                       prior_tokens=_PRIOR * cap, lru_weight=hyst)
+        self.decisions += 1
+        self.filtering_decisions += bool(self.shares)
+
+    def describe(self) -> dict:
+        """For ``HiCache.stats()``: is it filtering now, how often it did, what it left out."""
+        return {"filtering": bool(self.shares), "decisions": self.decisions,
+                "filtering_decisions": self.filtering_decisions,
+                "not_admitted": self.not_admitted,
+                "admitted_share": {"/".join(map(str, k)): round(v, 3)
+                                   for k, v in sorted(self.shares.items())}}
 
 
 def solve_admission(classes: dict, span: float, budget: float,

@@ -94,6 +94,10 @@ def render(m: SchedulerMetrics, cache_stats: dict[str, Any], running: int, waiti
     fam = w.family("evicted_pages_total", "counter", "Pages evicted, by tier.")
     w.sample(fam, cache_stats.get("evicted_l1_pages", 0), {"tier": "device"})
     w.sample(fam, cache_stats.get("evicted_l2_pages", 0), {"tier": "host"})
+    pol = cache_stats.get("policy") or {}
+    w.scalar("eviction_not_admitted_total", "counter",
+             "Nodes the eviction policy placed at the LRU end on their touch (bip, density).",
+             pol.get("not_admitted", 0))
     w.scalar("load_back_ops_total", "counter", "L2 -> L1 load-back operations.",
              cache_stats.get("loadback_ops", 0))
     w.scalar("load_back_pages_total", "counter", "Pages loaded back from L2 to L1.",
