@@ -25,7 +25,7 @@ def serve_node(cfg: Any, on_ready: Callable[[dict], None] | None = None) -> list
     """Run this node's ranks until they exit; returns what failed (``rank R exited (code
     C)``), empty when node 0 halted them cleanly. ``on_ready(pids)`` once they are started."""
     world = cfg.ranks * cfg.pp
-    if cfg.ranks > 1:
+    if cfg.ranks > 1 and cfg.pp == 1:
         from engine.runtime.cp_serve import follower_main as target
     else:
         from engine.runtime.pipeline import stage_worker as target
@@ -33,7 +33,7 @@ def serve_node(cfg: Any, on_ready: Callable[[dict], None] | None = None) -> list
     previous = signal.signal(signal.SIGTERM, _terminate)
     group = RankProcesses(target, ranks, (world, cfg.dist_init_addr, cfg,
                                           cfg.collective_timeout_s),
-                          name="rank" if cfg.ranks > 1 else "stage")
+                          name="rank" if cfg.ranks > 1 and cfg.pp == 1 else "stage")
     try:
         if on_ready is not None:
             on_ready(group.pids())

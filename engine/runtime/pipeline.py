@@ -58,6 +58,7 @@ def stage_model(model: Model, stage: int, num_stages: int) -> Model:
     m = Model(dataclasses.replace(model.cfg, num_layers=hi - lo), w, device=str(model.device),
               exact=model.exact)
     m.stage = (lo, model.cfg.num_layers)
+    m.tp, m.reduce = model.tp, model.reduce      # a TP rank's shard stays one (--pp × --tp)
     return m
 
 
@@ -119,16 +120,29 @@ class PipelineScheduler(Scheduler):
     """A scheduler that runs in lockstep with the other stages of a pipeline."""
 
     def __init__(self, model: Model, cache: Any, config: Any, *, stage: int, num_stages: int,
-                 pp_sync: bool = True, timeout_s: float = 60.0, num_micro_batches: int = 0):
+                 pp_sync: bool = True, timeout_s: float = 60.0, num_micro_batches: int = 0,
+                 grid: Any = None):
+        """``grid``: this rank's :class:`~engine.runtime.pp_grid.GridGroups` when every stage
+        is a TP group (``--pp K --tp N``); ``None``: one process per stage."""
         super().__init__(model, cache, config)
         self.stage, self.num_stages = stage, num_stages
         self.num_micro_batches = num_micro_batches or num_stages
         self.mb_stats = {"steps": 0, "micro_batches": 0, "split_steps": 0}
         self.first, self.last = stage == 0, stage == num_stages - 1
-        ack_groups = adjacent_groups(num_stages)          # pp_sync's links (its own threads)
-        self.act_groups = adjacent_groups(num_stages)     # hidden states (this thread)
-        self.sync = PPSync(links_for(stage, num_stages, ack_groups), enabled=pp_sync,
-                           timeout_s=timeout_s)
+        if grid is None:
+            self.column = list(range(num_stages))             # stage s is global rank s
+            ack_groups = adjacent_groups(num_stages)          # pp_sync's links (own threads)
+            self.act_groups = adjacent_groups(num_stages)     # hidden states (this thread)
+            peers, self.leader, self.decider = None, stage == 0, self.last
+            self.decider_rank = num_stages - 1
+        else:                           # this TP rank's column: TP rank t of every stage
+            self.column, ack_groups, self.act_groups = grid.column, grid.ack, grid.act
+            peers = grid.tp_group if self.first else None      # stage 0 agrees on the minimum
+            self.leader = self.first and grid.tp_rank == 0      # takes HTTP requests
+            self.decider = self.last and grid.tp_rank == 0      # samples for everyone
+            self.decider_rank = grid.decider_rank
+        self.sync = PPSync(links_for(stage, num_stages, ack_groups, self.column, peers),
+                           enabled=pp_sync, timeout_s=timeout_s)
         self._flush_pending = False
         self._stopping = False
         # stage 0: which stage is gone, if one is (the engine's view of the stage processes)
@@ -143,7 +157,7 @@ class PipelineScheduler(Scheduler):
 
     def _drain_inbox(self, block: bool = False) -> None:
         msg: list | None = None
-        if self.first:
+        if self.leader:
             events = self._pull_inbox(block)
             msg = []
             for kind, item in events:
@@ -166,7 +180,7 @@ class PipelineScheduler(Scheduler):
         torch.distributed.broadcast_object_list(box, src=0)
         for kind, item in box[0]:
             if kind == "req":
-                self._handle("req", pending[item[0]] if self.first else self._rebuild(item))
+                self._handle("req", pending[item[0]] if self.leader else self._rebuild(item))
             elif kind == "flush":
                 self.cache.flush()
             elif kind == "shutdown":
@@ -274,14 +288,15 @@ class PipelineScheduler(Scheduler):
                 if not self.first:
                     n = sum(len(c) for c in mb)
                     hidden = torch.empty((n, self.model.cfg.hidden), dtype=self.model.dtype)
-                    dist.recv(hidden, src=self.stage - 1, group=self.act_groups[self.stage - 1])
+                    dist.recv(hidden, src=self.column[self.stage - 1],
+                              group=self.act_groups[self.stage - 1])
                 out = self.model.forward(mb, self.cache.l1.buf, self.page_size, hooks,
                                          hidden_in=hidden, hidden_out=not self.last)
                 if self.last:
                     outs.append(out)
                 else:                     # keep the tensor alive until its send completes
                     t = out.to("cpu").contiguous()
-                    sending.append((dist.isend(t, dst=self.stage + 1,
+                    sending.append((dist.isend(t, dst=self.column[self.stage + 1],
                                                group=self.act_groups[self.stage]), t))
         finally:
             for work, _ in sending:
@@ -290,8 +305,8 @@ class PipelineScheduler(Scheduler):
         return torch.cat(outs) if self.last else None
 
     def _decide(self, chunks: list, reqs: list, logits: torch.Tensor | None) -> list:
-        box = [super()._decide(chunks, reqs, logits) if self.last else None]
-        torch.distributed.broadcast_object_list(box, src=self.num_stages - 1)
+        box = [super()._decide(chunks, reqs, logits) if self.decider else None]
+        torch.distributed.broadcast_object_list(box, src=self.decider_rank)
         return box[0]
 
     # -- the loop ------------------------------------------------------------------------------
@@ -333,25 +348,36 @@ class PipelineScheduler(Scheduler):
         self.sync.close()
 
 
-def stage_worker(stage: int, num_stages: int, addr: str, cfg: Any, timeout_s: float) -> None:
-    """Main of a stage process (``stage >= 1``): join the group at the rendezvous ``addr``
-    (HOST:PORT), build the stage, serve until stage 0 says stop."""
+def stage_worker(rank: int, world: int, addr: str, cfg: Any, timeout_s: float) -> None:
+    """Main of a pipeline rank process (global ``rank >= 1`` of ``world = pp × tp``): join the
+    group at the rendezvous ``addr`` (HOST:PORT), build its stage (stage ``rank // tp``, TP rank
+    ``rank % tp``), serve until rank 0 says stop."""
     import torch.distributed as dist
 
     from engine.runtime.serving.runtime import Engine
 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C goes to stage 0, which stops us
-    dist.init_process_group("gloo", init_method=f"tcp://{addr}", rank=stage,
-                            world_size=num_stages, timeout=datetime.timedelta(seconds=timeout_s))
-    eng = Engine(cfg, stage=stage)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C goes to rank 0, which stops us
+    stage, tp_rank = divmod(rank, cfg.tp)
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    eng = Engine(cfg, stage=stage, cp_rank=tp_rank)
     try:
         eng.scheduler.serve_stage()
-    except Exception as exc:  # noqa: BLE001 - one line, then exit 1 (stage 0 names the stage)
+    except Exception as exc:  # noqa: BLE001 - one line, then exit 1 (rank 0 names the rank)
         first = str(exc).splitlines()[0][:200] if str(exc) else ""
-        log.error("pipeline stage %d lost its group (stage 0 or another stage stopped): "
-                  "%s: %s", stage, type(exc).__name__, first)
+        log.error("pipeline %s lost its group (rank 0 or another rank stopped): %s: %s",
+                  rank_name(rank, cfg.tp), type(exc).__name__, first)
         raise SystemExit(1) from None
     finally:
         eng.stop()
-        dist.destroy_process_group()
+        if dist.is_initialized():       # the engine of a TP rank destroys it itself
+            dist.destroy_process_group()
+
+
+def rank_name(rank: int, tp: int) -> str:
+    """A pipeline rank in messages: ``stage 1``, or ``stage 1 TP rank 0 (rank 2)`` with TP."""
+    if tp == 1:
+        return f"stage {rank}"
+    stage, t = divmod(rank, tp)
+    return f"stage {stage} TP rank {t} (rank {rank})"

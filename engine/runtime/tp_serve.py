@@ -28,9 +28,12 @@ log = logging.getLogger("hicache.tp")
 
 def check_options(cfg: Any) -> None:
     """``ValueError`` for server options ``--tp`` does not combine with (``ServerConfig``)."""
-    if cfg.pp > 1 or cfg.disaggregation is not None or cfg.speculative_num_draft_tokens:
-        raise ValueError("--tp > 1 does not combine with --pp, P/D disaggregation or "
-                         "speculative decoding yet")
+    if cfg.pp > 1 and cfg.cp > 1:
+        raise ValueError("--pp with --tp and --cp is not built yet: use --pp with --tp, or "
+                         "--tp with --cp")
+    if cfg.disaggregation is not None or cfg.speculative_num_draft_tokens:
+        raise ValueError("--tp > 1 does not combine with P/D disaggregation or speculative "
+                         "decoding yet")
     from engine.runtime.model.config import PRESETS
     from engine.runtime.model.tp import check_tp
 
@@ -136,9 +139,11 @@ def shard_model(model: Any, cfg: Any, rank: int, backend: str) -> tuple[Any, Any
     return tp_model(model, tp_rank, cfg.tp, make_reduce(backend, tp_group)), cp_group
 
 
-def tp_cache(cache_cfg: Any, model: Any, cfg: Any, rank: int, events: Any) -> Any:
-    """Rank ``rank``'s cache: a :class:`TPCache` (agreement over the world group) around a
-    :class:`HiCache`, or around a :class:`CPCache` (pages sharded by owner) with CP."""
+def tp_cache(cache_cfg: Any, model: Any, cfg: Any, rank: int, events: Any, group: Any = None,
+             stage: int = 0) -> Any:
+    """Rank ``rank``'s cache: a :class:`TPCache` (agreement over ``group``, default the world)
+    around a :class:`HiCache`, or around a :class:`CPCache` (pages sharded by owner) with CP.
+    ``stage``: its pipeline stage (``--pp`` × ``--tp``: the group is the stage's TP group)."""
     import torch.distributed as dist
 
     from engine.cache.facade import HiCache
@@ -150,5 +155,6 @@ def tp_cache(cache_cfg: Any, model: Any, cfg: Any, rank: int, events: Any) -> An
              else HiCache(cache_cfg, events=events))
     (inner.cache if cfg.cp > 1 else inner).hit_on_commit = True
     whole = model.kv_layout(cfg.page_size).whole()
-    page_bytes = [whole.shard(cfg.tp, r).page_bytes for r in range(cfg.tp)]
-    return TPCache(inner, cfg.tp, tp_rank, dist.group.WORLD, page_bytes)
+    page_bytes = [whole.shard(cfg.tp, r, cfg.pp, stage).page_bytes for r in range(cfg.tp)]
+    return TPCache(inner, cfg.tp, tp_rank, dist.group.WORLD if group is None else group,
+                   page_bytes)

@@ -134,7 +134,7 @@ PdFault = Annotated[Optional[str], _O("--pd-inject-fault", help="Debug (prefill 
                                       "die-after-layers:N or delay:SECONDS.")]
 Pp = Annotated[int, _O("--pp", min=1, max=8, help="Pipeline parallelism: split the layers over "
                        "this many stage processes (KV stays on its stage; pp_sync keeps cache "
-                       "decisions equal).")]
+                       "decisions equal). With --tp N each stage is N TP processes.")]
 PpSync = Annotated[bool, _O("--pp-sync/--no-pp-sync", help="Debug: --no-pp-sync lets each stage "
                             "consume the transfers it has finished (shows the divergence "
                             "pp_sync prevents).")]
@@ -207,7 +207,8 @@ def _serve_node(cfg, fmt: OutputFormat) -> None:
     from engine.runtime.nodes import serve_node
 
     ranks = list(node_ranks(cfg.ranks * cfg.pp, cfg.nnodes, cfg.node_rank))
-    kind = ("pipeline stage" if cfg.pp > 1 else "TP rank" if cfg.cp == 1 else "CP rank"
+    kind = ("pipeline rank" if cfg.pp > 1 and cfg.tp > 1 else "pipeline stage" if cfg.pp > 1
+            else "TP rank" if cfg.cp == 1 else "CP rank"
             if cfg.tp == 1 else "rank")
     which = f"{kind} {ranks[0]}" if len(ranks) == 1 else f"{kind}s {ranks[0]}-{ranks[-1]}"
 
@@ -313,17 +314,17 @@ def _dump_path(dump_tree_on_exit: Optional[str], cfg) -> tuple[Optional[Path], A
     dump_path = Path(dump_tree_on_exit)
     is_dir = dump_tree_on_exit.endswith(("/", os.sep)) or dump_path.is_dir()
     group = " ".join(f"--{k} {v}" for k, v in (("tp", cfg.tp), ("cp", cfg.cp)) if v > 1)
-    if cfg.ranks > 1 and not is_dir:
+    if cfg.ranks > 1 and cfg.pp == 1 and not is_dir:
         raise UsageError(f"--dump-tree-on-exit: with {group} every rank writes "
                          f"tree-rank<N>.snapshot: give a directory (an existing one or a path "
                          f"ending in /), got {dump_tree_on_exit!r}")
-    if cfg.node_rank > 0 and cfg.ranks == 1:
+    if cfg.node_rank > 0 and (cfg.ranks == 1 or cfg.pp > 1):
         raise UsageError("--dump-tree-on-exit: with --pp only stage 0 (node 0) writes a "
                          "snapshot")
     try:
         if is_dir:
             check_output_dir(dump_path)
-            if cfg.ranks > 1:
+            if cfg.ranks > 1 and cfg.pp == 1:
                 cfg = dataclasses.replace(cfg, snapshot_dir=str(dump_path))
             dump_path = dump_path / snapshot_filename(0)
         check_output_file(dump_path)      # writable now, or we say so before serving

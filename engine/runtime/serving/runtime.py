@@ -266,11 +266,14 @@ class Engine:
         self.device = resolve_device(cfg.device)
         backend = None                  # of the TP all-reduce
         self._restore_threads = None
+        self.grid = None                # --pp × --tp: this rank's groups (engine.runtime.pp_grid)
+        world = cfg.ranks * cfg.pp
+        rank = stage * cfg.ranks + cp_rank           # global: a stage's ranks are consecutive
         if cfg.tp > 1:
             from engine.runtime.tp_serve import probe_backend, share_cores
 
-            backend, self.device = probe_backend(self.device, cfg.ranks, cp_rank)
-            self._restore_threads = share_cores(self.device, cfg.ranks // cfg.nnodes)
+            backend, self.device = probe_backend(self.device, world, rank)
+            self._restore_threads = share_cores(self.device, world // cfg.nnodes)
         self.model: Model = load_model(cfg.model, self.device, seed=cfg.seed, exact=cfg.exact)
         self.num_params = self.model.cfg.num_params()     # of the whole model (before TP/PP)
         if cfg.tp > 1:                  # a shape that does not split: said before spawning
@@ -278,7 +281,7 @@ class Engine:
 
             check_model(self.model.cfg, cfg.tp)
         self.cp_group = None            # with TP and CP: this rank's CP group (the gather)
-        if cfg.ranks > 1:
+        if cfg.ranks > 1 and cfg.pp == 1:
             from engine.runtime.cp_serve import Followers, init_group
             from engine.runtime.tp_serve import rank_label
 
@@ -287,12 +290,16 @@ class Engine:
                                            label=rank_label(cfg.tp, cfg.cp))
                 cp_addr = self.followers.addr
             init_group(cp_rank, cfg.ranks, cp_addr, cfg.collective_timeout_s)
-        if cfg.tp > 1:
+        if cfg.pp > 1 and rank == 0:
+            self._start_stages(cfg)
+        if cfg.tp > 1 and cfg.pp > 1:
+            from engine.runtime.pp_grid import grid_model
+
+            self.model, self.grid = grid_model(self.model, cfg, rank, backend)
+        elif cfg.tp > 1:
             from engine.runtime.tp_serve import shard_model
 
             self.model, self.cp_group = shard_model(self.model, cfg, cp_rank, backend)
-        if cfg.pp > 1 and stage == 0:
-            self._start_stages(cfg)
         if cfg.pp > 1:
             from engine.runtime.pipeline import stage_model
 
@@ -328,7 +335,8 @@ class Engine:
             from engine.runtime.tp_serve import tp_cache
 
             self.cache = tp_cache(cache_cfg, self.model, cfg, cp_rank,
-                                  events=self._event_log(cfg, group_rank=cp_rank))
+                                  events=self._event_log(cfg, stage, group_rank=cp_rank),
+                                  group=self.grid and self.grid.tp_group, stage=stage)
         elif cfg.cp > 1:
             import torch.distributed as dist
 
@@ -368,7 +376,7 @@ class Engine:
             self.scheduler: Scheduler = PipelineScheduler(
                 self.model, self.cache, sched_cfg, stage=stage, num_stages=cfg.pp,
                 pp_sync=cfg.pp_sync, timeout_s=cfg.collective_timeout_s,
-                num_micro_batches=cfg.pp_micro_batches)
+                num_micro_batches=cfg.pp_micro_batches, grid=self.grid)
             self.scheduler.dead_stage = self.stage_health
         elif cfg.ranks > 1:
             from engine.runtime.cp_serve import RankScheduler, broadcast_sync, sharded_source
@@ -412,9 +420,10 @@ class Engine:
         if cp_rank is not None:
             rank = RankInfo(rank=cp_rank, world_size=cfg.cp, cp_rank=cp_rank, cp_size=cfg.cp)
         if group_rank is not None:      # a TP (or TP x CP) rank: rank = cp_rank * tp + tp_rank
-            rank = RankInfo(rank=group_rank, world_size=cfg.ranks,
+            rank = RankInfo(rank=stage * cfg.ranks + group_rank, world_size=cfg.ranks * cfg.pp,
                             tp_rank=group_rank % cfg.tp, tp_size=cfg.tp,
-                            cp_rank=group_rank // cfg.tp, cp_size=cfg.cp)
+                            cp_rank=group_rank // cfg.tp, cp_size=cfg.cp,
+                            pp_rank=stage, pp_size=cfg.pp)
         log_ = EventLog(rank, enabled=keep or bool(cfg.inject_divergence), keep=keep)
         if cfg.inject_divergence:
             from engine.parallel.divergence import install
@@ -519,17 +528,18 @@ class Engine:
         from engine.runtime.pipeline import stage_worker
 
         addr = cfg.dist_init_addr or f"127.0.0.1:{free_port()}"
-        local = [s for s in node_ranks(cfg.pp, cfg.nnodes, 0) if s != 0]
-        group = RankProcesses(stage_worker, local, (cfg.pp, addr, cfg, cfg.collective_timeout_s),
+        world = cfg.pp * cfg.ranks          # --pp × --tp: every rank but 0 is a process here
+        local = [s for s in node_ranks(world, cfg.nnodes, 0) if s != 0]
+        group = RankProcesses(stage_worker, local, (world, addr, cfg, cfg.collective_timeout_s),
                               name="stage")
         self.stage_procs = list(group.procs.values())
         self._stage_ids = local
-        remote = [s for s in range(1, cfg.pp) if s not in local]
+        remote = [s for s in range(1, world) if s not in local]
         if remote:                      # stages on other nodes: they post their exits
             from engine.parallel.launch import ExitBoard
 
             self._stage_board = (ExitBoard(addr), remote)
-        dist.init_process_group("gloo", init_method=f"tcp://{addr}", rank=0, world_size=cfg.pp,
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}", rank=0, world_size=world,
                                 timeout=datetime.timedelta(seconds=cfg.collective_timeout_s))
 
     def flush(self) -> "concurrent.futures.Future[dict]":
@@ -546,13 +556,18 @@ class Engine:
         return fut
 
     def stage_health(self) -> str | None:
-        """Why the pipeline is unhealthy (a stage process gone), or None."""
-        for s, p in zip(self._stage_ids, self.stage_procs):
-            if not p.is_alive():
-                return f"pipeline stage {s} exited (code {p.exitcode})"
+        """Why the pipeline is unhealthy (a stage process gone), or None. A rank killed from
+        outside comes before the ranks that exited (code 1) because they lost it."""
+        from engine.runtime.pipeline import rank_name
+
+        gone = sorted(((p.exitcode == 1, s, p.exitcode) for s, p in
+                       zip(self._stage_ids, self.stage_procs) if not p.is_alive()))
+        if gone:
+            _, s, code = gone[0]
+            return f"pipeline {rank_name(s, self.cfg.tp)} exited (code {code})"
         if self._stage_board is not None:
             board, remote = self._stage_board
-            gone = board.exits(remote, what="stage")
+            gone = board.exits(remote, what="stage" if self.cfg.tp == 1 else "rank")
             if gone:
                 return f"pipeline {gone[0]}"
         return None

@@ -1,0 +1,165 @@
+"""`bench serve --pp 2 --tp 2`: four processes, two pipeline stages of two TP ranks each
+(engine.runtime.pp_grid, docs/parallelism.md). Greedy outputs equal one process's for a fresh
+prompt, an L1 hit and an L2 restore with a delayed stage; all four rank logs agree (stage 0's TP
+ranks agree on the ACK counts, every later rank consumes exactly those); a killed rank stops the
+pipeline with a message naming it; L3 objects are the unified ones, so a store written by the
+grid serves one process and the reverse."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import Counter
+
+import pytest
+import requests
+from typer.testing import CliRunner
+
+from engine.runtime.model import preset
+from engine.runtime.serving import ServerConfig
+from formats.ranklog import read_ranklog
+from hicache_cli.app import app
+from tests.test_pipeline_serve import PROMPTS, check, generate, serve, workload
+from tests.test_tp_serve import _kv_bytes, _used
+
+GRID = dict(pp=2, tp=2)
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    h = serve()
+    try:
+        return workload(h.url)
+    finally:
+        h.stop()
+
+
+def _acks(path) -> list:
+    header, events = read_ranklog(path)
+    return header, [(e["queue"], e["consumed"]) for e in events if e["kind"] == "pp_ack"]
+
+
+def test_pp2_tp2_equals_one_process_and_its_four_logs_agree(one_process, tmp_path):
+    h = serve(**GRID, debug_transfer_delay="1:20", rank_log_dir=str(tmp_path))
+    try:
+        got = workload(h.url)
+        metrics = requests.get(h.url + "/metrics", timeout=10).text
+    finally:
+        h.stop()
+    assert got == one_process                          # tokens and hits, tier by tier
+    assert got[1][1]["device"] > 0 and got[4][1]["host"] > 0    # an L1 hit, an L2 restore
+    # stage 0's ranks hold half the layers × half the kv-heads each
+    whole = preset("tiny").kv_layout(16)
+    kv = _kv_bytes(metrics)
+    for tier in ("device", "host"):
+        used = _used(metrics, tier)
+        assert used > 0
+        for r in (0, 1):
+            assert kv[(str(r), tier)] == used // 16 * whole.shard(2, r, 2, 0).page_bytes
+    assert whole.shard(2, 0, 2, 0).page_bytes * 4 == whole.page_bytes
+    code, report = check(tmp_path)
+    assert code == 0, report
+    assert report["ranks"] == 4
+    seen = {}
+    for r in range(4):
+        header, acks = _acks(tmp_path / f"rank{r}.ranklog")
+        assert (header["pp_rank"], header["tp_rank"]) == divmod(r, 2)
+        assert (header["pp_size"], header["tp_size"], header["world_size"]) == (2, 2, 4)
+        seen[r] = acks
+    assert sum(n for q, n in seen[0] if q == "backup") > 0     # pp_sync consumed backups
+    assert all(seen[r] == seen[0] for r in range(4)), {r: Counter(a) for r, a in seen.items()}
+
+
+def test_a_killed_rank_of_the_grid_stops_the_pipeline_naming_it():
+    h = serve(**GRID, collective_timeout_s=20)
+    try:
+        generate(h.url, PROMPTS[0])
+        ids = h.engine._stage_ids
+        os.kill(h.engine.stage_procs[ids.index(3)].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 40
+        while True:
+            r = requests.get(h.url + "/health", timeout=10)
+            if r.status_code == 503:
+                break
+            assert time.monotonic() < deadline, "health stayed ok after a rank died"
+            time.sleep(0.2)
+        assert "stage 1 TP rank 1 (rank 3) exited (code -9)" in r.text, r.text
+        t0 = time.monotonic()
+        resp = requests.post(h.url + "/generate", json={"input_ids": PROMPTS[1],
+                             "sampling_params": {"max_new_tokens": 4}}, timeout=60)
+        assert resp.status_code >= 500 or "error" in resp.text
+        assert time.monotonic() - t0 < 40
+    finally:
+        h.stop()
+
+
+@pytest.mark.parametrize("writer,reader", [((2, 2), (1, 1)), ((1, 1), (2, 2))],
+                         ids=["grid-to-one", "one-to-grid"])
+def test_a_store_written_by_the_grid_serves_one_process_and_back(one_process, tmp_path, writer,
+                                                                  reader):
+    """Each rank's objects are its region (layers of its stage × kv-heads of its TP rank) of
+    the unified layout: the grid's store is hit by one process and the reverse. The cold reader
+    uses the default prefetch policy (timeout) with its stage 1 delayed; its logs agree."""
+    store = dict(hicache_storage_backend="file", hicache_storage_dir=str(tmp_path / "l3"))
+    shape = lambda pp, tp: dict(pp=pp, tp=tp)               # noqa: E731
+    h = serve(**shape(*writer), hicache_storage_prefetch_policy="wait_complete", **store)
+    try:
+        assert generate(h.url, PROMPTS[0])[0] == one_process[0][0]
+    finally:
+        h.stop()
+    logs = tmp_path / "logs"
+    extra = dict(debug_transfer_delay="1:40", rank_log_dir=str(logs)) if reader[0] > 1 else {}
+    h = serve(**shape(*reader), **extra, **store)
+    try:
+        out, details = generate(h.url, PROMPTS[0])
+    finally:
+        h.stop()
+    assert out == one_process[0][0] and details["storage"] > 0, details
+    if reader[0] > 1:
+        code, report = check(logs)
+        assert code == 0 and report["ranks"] == 4, report
+
+
+def test_pp_with_tp_and_cp_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="--pp with --tp and --cp is not built yet"):
+        ServerConfig(pp=2, tp=2, cp=2)
+    res = CliRunner().invoke(app, ["bench", "serve", "--pp", "2", "--tp", "2", "--cp", "2"])
+    assert res.exit_code == 2 and "not built yet" in res.output
+    assert "Traceback" not in res.output and len(res.output.strip().splitlines()) == 1
+
+
+def test_without_pp_sync_the_grid_logs_show_the_ack_mismatch_first(tmp_path):
+    h = serve(**GRID, pp_sync=False, debug_transfer_delay="1:60", rank_log_dir=str(tmp_path))
+    try:
+        workload(h.url)
+    finally:
+        h.stop()
+    code, report = check(tmp_path)
+    assert code == 3
+    assert report["divergences"][0]["category"] == "pp_ack_consumption_mismatch", report
+
+
+def test_bench_serve_pp2_tp2_serves_the_shared_script_and_stops_cleanly(tmp_path):
+    """The CLI: the same tokens and hits as one process on the shared request script (device
+    hit, host restore); Ctrl-C stops all four processes, exit 0, no traceback."""
+    from tests.serve_client import SCRIPT
+    from tests.serve_client import generate as post
+    from tests.test_cp_serve import _spawn
+
+    one, url1 = _spawn()
+    grid, url2 = _spawn("--pp", "2", "--tp", "2", "--rank-log-dir", str(tmp_path))
+    try:
+        got1 = [post(url1, ids) for ids in SCRIPT]
+        got2 = [post(url2, ids) for ids in SCRIPT]
+    finally:
+        for p in (one, grid):
+            p.send_signal(signal.SIGINT)
+        errs = [p.communicate(timeout=90)[1] for p in (one, grid)]
+    assert (one.returncode, grid.returncode) == (0, 0), errs
+    assert "Traceback" not in errs[1], errs[1]
+    assert got2 == got1
+    assert got2[2][1]["device"] == 96 and got2[-1][1]["host"] > 0
+    assert sorted(os.listdir(tmp_path)) == [f"rank{r}.ranklog" for r in range(4)]
+    code, report = check(tmp_path)
+    assert code == 0, report
