@@ -71,6 +71,23 @@ def test_pp2_tp2_equals_one_process_and_its_four_logs_agree(one_process, tmp_pat
     assert all(seen[r] == seen[0] for r in range(4)), {r: Counter(a) for r, a in seen.items()}
 
 
+def test_stage_0_tp_ranks_agree_on_the_counts_they_pass_down(one_process, tmp_path):
+    """Only stage 0's TP rank 1 is slow (``0.1:60``): its copies finish later than its TP
+    peer's, so the two would pass different ACK counts down their columns; the minimum over
+    stage 0's TP group keeps all four ranks consuming the same (without that agreement this
+    run's logs diverge at ``pp_ack``)."""
+    h = serve(**GRID, debug_transfer_delay="0.1:60", rank_log_dir=str(tmp_path))
+    try:
+        got = workload(h.url)
+    finally:
+        h.stop()
+    assert got == one_process
+    code, report = check(tmp_path)
+    assert code == 0, report
+    acks = [_acks(tmp_path / f"rank{r}.ranklog")[1] for r in range(4)]
+    assert all(a == acks[0] for a in acks)
+
+
 def test_a_killed_rank_of_the_grid_stops_the_pipeline_naming_it():
     h = serve(**GRID, collective_timeout_s=20)
     try:
@@ -119,6 +136,17 @@ def test_a_store_written_by_the_grid_serves_one_process_and_back(one_process, tm
     if reader[0] > 1:
         code, report = check(logs)
         assert code == 0 and report["ranks"] == 4, report
+
+
+def test_rank_delays_parse():
+    from engine.runtime.pipeline import delay_for, parse_delay
+
+    assert parse_delay("0.1:60,1:20", 2, 2) == {(0, 1): 0.06, 1: 0.02}
+    assert [delay_for("0.1:60,1:20", 2, 2, s, t) for s in (0, 1) for t in (0, 1)] == \
+        [0.0, 0.06, 0.02, 0.02]
+    for bad, tp in (("0.2:5", 2), ("0.1:5", 1), ("0.1.1:5", 2)):
+        with pytest.raises(ValueError, match="debug-transfer-delay"):
+            parse_delay(bad, 2, tp)
 
 
 def test_pp_with_tp_and_cp_is_refused_in_one_line():

@@ -62,22 +62,35 @@ def stage_model(model: Model, stage: int, num_stages: int) -> Model:
     return m
 
 
-def parse_delay(spec: str | None, num_stages: int) -> dict[int, float]:
-    """``--debug-transfer-delay STAGE:MS[,STAGE:MS]`` → {stage: seconds}."""
-    out: dict[int, float] = {}
+def parse_delay(spec: str | None, num_stages: int, tp: int = 1) -> dict:
+    """``--debug-transfer-delay STAGE[.TP]:MS[,...]`` → {stage: seconds} for a whole stage,
+    {(stage, tp_rank): seconds} for one TP rank of a stage (``--pp K --tp N``)."""
+    out: dict = {}
     for part in (spec or "").split(","):
         if not part.strip():
             continue
         try:
             s, ms = part.split(":")
-            stage, delay = int(s), float(ms)
+            where, delay = s.split("."), float(ms)
+            stage, rank = int(where[0]), (int(where[1]) if len(where) == 2 else None)
+            if len(where) > 2:
+                raise ValueError
         except ValueError:
-            raise ValueError(f"--debug-transfer-delay {spec!r}: expected STAGE:MS, e.g. 1:20") from None
-        if not 0 <= stage < num_stages or not 0 <= delay <= 60_000:
-            raise ValueError(f"--debug-transfer-delay {spec!r}: stage must be 0..{num_stages - 1} "
-                             f"and MS 0..60000")
-        out[stage] = delay / 1000.0
+            raise ValueError(f"--debug-transfer-delay {spec!r}: expected STAGE:MS or "
+                             f"STAGE.TP:MS, e.g. 1:20") from None
+        if not 0 <= stage < num_stages or not 0 <= delay <= 60_000 or \
+                (rank is not None and not 0 <= rank < tp):
+            raise ValueError(f"--debug-transfer-delay {spec!r}: stage must be 0..{num_stages - 1}"
+                             f"{f', TP rank 0..{tp - 1}' if tp > 1 else ' (no TP rank without --tp)'}"
+                             f" and MS 0..60000")
+        out[stage if rank is None else (stage, rank)] = delay / 1000.0
     return out
+
+
+def delay_for(spec: str | None, num_stages: int, tp: int, stage: int, tp_rank: int) -> float:
+    """The debug delay of one rank: its own (``STAGE.TP``), else its stage's, else none."""
+    d = parse_delay(spec, num_stages, tp)
+    return d.get((stage, tp_rank), d.get(stage, 0.0))
 
 
 # A forward has a fixed cost (per layer, per chunk) that a few tokens do not outweigh: a step

@@ -140,7 +140,8 @@ PpSync = Annotated[bool, _O("--pp-sync/--no-pp-sync", help="Debug: --no-pp-sync 
                             "pp_sync prevents).")]
 TransferDelay = Annotated[Optional[str], _O("--debug-transfer-delay", help="Debug: slow one "
                                             "stage's copies, STAGE:MS (e.g. 1:20), so completions "
-                                            "arrive at different times on different stages.")]
+                                            "arrive at different times on different stages; "
+                                            "STAGE.TP:MS slows one TP rank of a stage.")]
 PpMicro = Annotated[int, _O("--pp-micro-batches", min=0, max=64, help="With --pp: cut each "
                             "step's batch into this many micro-batches so the stages overlap "
                             "(0: one per stage).")]

@@ -85,7 +85,7 @@ class ServerConfig:
     pp: int = 1
     pp_sync: bool = True                   # debug: False lets each stage consume what it has
     pp_micro_batches: int = 0              # micro-batches per step (0: one per stage)
-    debug_transfer_delay: str | None = None  # "STAGE:MS[,STAGE:MS]": slow one stage's copies
+    debug_transfer_delay: str | None = None  # "STAGE[.TP]:MS[,...]": slow a stage's copies
     collective_timeout_s: float = 60.0     # a stage silent this long stops the server
     cp: int = 1                        # context-parallel ranks (one process each; KV sharded)
     tp: int = 1                        # tensor-parallel ranks (one process each; heads sharded)
@@ -156,7 +156,7 @@ class ServerConfig:
         if self.pp > 1:
             from engine.runtime.pipeline import parse_delay
 
-            parse_delay(self.debug_transfer_delay, self.pp)
+            parse_delay(self.debug_transfer_delay, self.pp, self.tp)
             if not 0 <= self.pp_micro_batches <= 64:
                 raise ValueError(f"--pp-micro-batches must be 0..64 (0: one per stage), got "
                                  f"{self.pp_micro_batches}")
@@ -347,10 +347,10 @@ class Engine:
         else:
             self.cache = HiCache(cache_cfg, events=self._event_log(cfg, stage))
         if cfg.pp > 1:
-            from engine.runtime.pipeline import parse_delay
+            from engine.runtime.pipeline import delay_for
 
-            self.cache.transfers.debug_delay_s = parse_delay(cfg.debug_transfer_delay,
-                                                             cfg.pp).get(stage, 0.0)
+            self.cache.transfers.debug_delay_s = delay_for(cfg.debug_transfer_delay, cfg.pp,
+                                                           cfg.tp, stage, cp_rank)
         if cfg.rank_log_dir is not None:      # fail at start, not at shutdown
             from formats.outpath import check_output_dir, check_output_file
 
