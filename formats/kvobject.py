@@ -73,6 +73,16 @@ def checksum(data) -> int:
     return _CHECKSUM(data)
 
 
+def checksum_parts(parts) -> int:
+    """:func:`checksum` of the concatenation of ``parts`` (bytes-like), without joining them."""
+    if len(parts) == 1:
+        return _CHECKSUM(parts[0])
+    h = xxhash.xxh3_64()
+    for p in parts:
+        h.update(p)
+    return h.intdigest()
+
+
 def header_len_for(layout_json_len: int) -> int:
     raw = _PREFIX.size + layout_json_len + _U64.size
     return -(-raw // ALIGN) * ALIGN
@@ -165,12 +175,23 @@ class KVObjectCodec:
         ``header_len`` bytes, e.g. a row of a registered arena): no allocation per object.
         ``payload_checksum``: :func:`checksum` of ``payload`` when the caller already has it
         (computed when the bytes were written), which saves a pass over the payload."""
+        pv = memoryview(payload).cast("B")
+        psum = _CHECKSUM(pv) if payload_checksum is None else payload_checksum
+        self._fill(out, page_hash, len(pv), psum)
+
+    def header_for(self, page_hash: bytes, payload_len: int, payload_checksum: int) -> bytes:
+        """The header of a payload known only by its length and :func:`checksum` (a payload
+        that is copied from elsewhere, never assembled in memory)."""
+        out = bytearray(self.header_len)
+        self._fill(out, page_hash, payload_len, payload_checksum)
+        return bytes(out)
+
+    def _fill(self, out, page_hash: bytes, payload_len: int, psum: int) -> None:
         if len(page_hash) != 32:
             raise ValueError(f"page hash must be 32 bytes, got {len(page_hash)}")
         mv = memoryview(out).cast("B")
         if len(mv) != self.header_len:
             raise ValueError(f"header buffer is {len(mv)} bytes, not {self.header_len}")
-        pv = memoryview(payload).cast("B")
         end = self.header_len - _U64.size
         if self._template_of is not self.layout_json:
             # Everything but payload length, checksums and page hash is the same for every
@@ -180,8 +201,7 @@ class KVObjectCodec:
                               + bytes(end - _PREFIX.size - len(lj)))
             self._template_of = lj
         mv[:end] = self._template
-        psum = _CHECKSUM(pv) if payload_checksum is None else payload_checksum
-        _TAIL.pack_into(mv, _TAIL_AT, len(pv), psum, page_hash)
+        _TAIL.pack_into(mv, _TAIL_AT, payload_len, psum, page_hash)
         _U64.pack_into(mv, end, _CHECKSUM(mv[:end]))
 
     def encode(self, page_hash: bytes, payload) -> bytes:

@@ -247,7 +247,8 @@ def test_no_room_is_refused_up_front(tmp_path):
     assert convert(src, tmp_path / "dst", "--max-bytes", "lots").exit_code == 2
 
 
-def test_interrupted_run_loses_nothing_and_resumes(tmp_path):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_interrupted_run_loses_nothing_and_resumes(tmp_path, workers):
     src, hs = legacy_source(tmp_path)
     s_ep = open_endpoint(str(src), source=True)
     d_ep = open_endpoint(str(tmp_path / "dst"), source=False)
@@ -259,17 +260,25 @@ def test_interrupted_run_loses_nothing_and_resumes(tmp_path):
         if len(seen) == 2:
             raise KeyboardInterrupt
 
-    import engine.storage.convert as conv
-    old, conv.BATCH_BYTES = conv.BATCH_BYTES, 1        # write each page as it is cut
-    try:
-        res = run(p, s_ep, d_ep, progress=stop_after_two_pages)
-    finally:
-        conv.BATCH_BYTES = old
+    res = run(p, s_ep, d_ep, progress=stop_after_two_pages, workers=workers)
     s_ep.close()
     d_ep.close()
-    assert res.interrupted and res.counts["written"] == 16
+    written = res.counts["written"]
+    assert res.interrupted
+    if workers == 0:                  # page by page: the two pages reported, nothing after
+        assert written == 16
+    else:                             # pages already running when it stopped finish too
+        assert 16 <= written < 48 and written % 8 == 0
+    assert len(objects(tmp_path / "dst")) == written      # only whole objects are visible
+    for name in objects(tmp_path / "dst"):
+        raw = open(os.path.join(tmp_path, "dst", "objects", name[:2], name), "rb").read()
+        h = parse_header(raw)
+        verify_payload(h, memoryview(raw)[h.header_len:])
     s = summary(convert(src, tmp_path / "dst", "--format", "json"))
-    assert (s["skipped_present"], s["written"]) == (16, 32)
+    assert (s["skipped_present"], s["written"]) == (written, 48 - written)
+    b = FileBackend(FileStoreConfig(dir=str(tmp_path / "dst")))
+    assert read(b, hs, Placement()) == PAGES
+    b.close()
 
 
 @pytest.fixture(scope="module")

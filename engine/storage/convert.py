@@ -21,11 +21,13 @@ Two steps, both pure with respect to the source (it is only read):
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import functools
 import json
 import os
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import numpy as np
@@ -33,6 +35,7 @@ import numpy as np
 from engine.core.errors import InputError, StorageError
 from engine.core.layout import KVLayout
 from engine.storage.backend import FileRange
+from engine.storage.convert_io import Buffers, Source, byte_runs, cut, fresh, holds, read_source
 from engine.storage.endpoints import Endpoint, FileEndpoint
 from engine.storage.keys import object_key
 from engine.storage.placement import KVOrder, Placement, Tile, describe_object, span
@@ -40,9 +43,9 @@ from formats.kvobject import (
     MAX_LAYOUT_BYTES,
     KVObjectCodec,
     KVObjectError,
+    checksum_parts,
     header_len_for,
     parse_header,
-    verify_payload,
 )
 
 HEAD_BYTES = header_len_for(MAX_LAYOUT_BYTES)
@@ -222,43 +225,12 @@ def _check_destination(p: Plan, dst: Endpoint, max_bytes: int | None) -> None:
 
 
 # -- running -----------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def _itemsize(dtype: str) -> int:
-    return KVLayout(1, 1, 1, 1, dtype=dtype).itemsize
+WORKERS = 4
+"""Worker threads of a file-to-file conversion. Creating, writing and renaming files runs
+without the GIL, so pages overlap each other's file-system waits."""
 
-
-def _tensor(payload: memoryview, region: KVLayout, order: KVOrder) -> np.ndarray:
-    """``[layers, kv_kinds, page_size, heads, head_dim bytes]`` uint8 view of a payload."""
-    L, K, P, H = region.num_layers, region.kv_kinds, region.page_size, region.kv_heads
-    row = region.head_dim * _itemsize(region.dtype)
-    a = np.frombuffer(payload, dtype=np.uint8)
-    if order is KVOrder.LAYER_FIRST:
-        return a.reshape(L, K, P, H, row)
-    return a.reshape(P, L, K, H, row).transpose(1, 2, 0, 3, 4)
-
-
-def _cut(tile: Tile, srcs: list[tuple[SourceObject, np.ndarray]], model: KVLayout,
-         order: KVOrder) -> np.ndarray:
-    """The payload of ``tile``: a view of one source when one holds it, else assembled."""
-    (tl0, tl1), (th0, th1) = tile.layers, tile.heads
-    for o, arr in srcs:
-        (l0, l1), (h0, h1) = span(o.region)
-        if l0 <= tl0 and tl1 <= l1 and h0 <= th0 and th1 <= h1:
-            part = arr[tl0 - l0:tl1 - l0, :, :, th0 - h0:th1 - h0]
-            break
-    else:
-        lay = tile.layout
-        part = np.empty((lay.num_layers, lay.kv_kinds, lay.page_size, lay.kv_heads,
-                         lay.head_dim * lay.itemsize), dtype=np.uint8)
-        for o, arr in srcs:
-            (l0, l1), (h0, h1) = span(o.region)
-            a0, a1, b0, b1 = max(l0, tl0), min(l1, tl1), max(h0, th0), min(h1, th1)
-            if a0 < a1 and b0 < b1:
-                part[a0 - tl0:a1 - tl0, :, :, b0 - th0:b1 - th0] = \
-                    arr[a0 - l0:a1 - l0, :, :, b0 - h0:b1 - h0]
-    if order is KVOrder.PAGE_FIRST:
-        part = part.transpose(2, 0, 1, 3, 4)
-    return np.ascontiguousarray(part).reshape(-1)
+_COUNTS = ("written", "bytes_written", "skipped_present", "verified", "read_corrupt",
+           "not_produced", "kernel_copied_bytes")
 
 
 @dataclasses.dataclass
@@ -268,153 +240,218 @@ class Result:
     interrupted: bool = False
 
 
+@dataclasses.dataclass
+class _Out:
+    key: str
+    parts: list                 # as written: the header, then buffers or FileRanges
+    header: bytes
+    pieces: list                # the payload as bytes in memory (to compare with)
+    size: int
+
+
+@dataclasses.dataclass
+class _Page:
+    """One page's work: its target objects, what it counted, the files it keeps open."""
+
+    counts: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(_COUNTS, 0))
+    outs: list[_Out] = dataclasses.field(default_factory=list)
+    fds: list[int] = dataclasses.field(default_factory=list)
+    nbytes: int = 0
+    error: BaseException | None = None
+
+
 def run(p: Plan, src: Endpoint, dst: Endpoint, *, verify: bool = False,
-        progress: Callable[[int], None] | None = None) -> Result:
+        progress: Callable[[int], None] | None = None, workers: int | None = None) -> Result:
     """Convert; the counters say what happened (``written``, ``skipped_present``, ``corrupt``,
     ``verified``, ``bytes_written``). Raises StorageError when the destination refuses a write
-    (disk full, I/O error) — every object written before that is whole."""
+    (disk full, I/O error) — every object written before that is whole. ``workers``: threads
+    converting pages at once (default :data:`WORKERS` between file stores, else 0: inline)."""
     conv = _Converter(p, src, dst, verify)
+    if workers is None:
+        workers = WORKERS if conv.ranges else 0
     t0 = time.perf_counter()
     try:
-        for ph, objs in p.pages.items():
-            nbytes = conv.page(ph, objs)
-            if conv.size >= BATCH_BYTES:
-                conv.flush()
-            if progress is not None:
-                progress(nbytes)
-        conv.flush()
+        if conv.file_dst and workers > 0:
+            conv.threaded(workers, progress)
+        else:
+            conv.inline(progress)
     except KeyboardInterrupt:
         conv.res.interrupted = True
-    finally:
-        conv.release()
     conv.res.seconds = time.perf_counter() - t0
     return conv.res
 
 
 class _Converter:
-    """One run's state: the batch being gathered and the source files it still copies from."""
+    """One run: reads, checks and cuts pages, and writes their target objects.
+
+    A file destination is written page by page (each page's objects staged to temp files,
+    then renamed into place under one lock), from worker threads when ``threaded``; another
+    destination is written in batches of about :data:`BATCH_BYTES` from this thread."""
 
     def __init__(self, p: Plan, src: Endpoint, dst: Endpoint, verify: bool):
         self.p, self.src, self.dst, self.verify = p, src, dst, verify
-        c = dict.fromkeys(("written", "bytes_written", "skipped_present", "verified",
-                           "read_corrupt", "not_produced", "kernel_copied_bytes"), 0)
-        self.res = Result({**p.counts, **c})
+        self.res = Result({**p.counts, **dict.fromkeys(_COUNTS, 0)})
+        self.file_dst = isinstance(dst, FileEndpoint)
         # Between file stores, payload bytes that are whole runs of a source file are copied in
         # the kernel (copy_file_range) instead of written from user memory.
-        self.ranges = isinstance(src, FileEndpoint) and isinstance(dst, FileEndpoint)
-        self.batch: list[tuple[str, list, bytes, np.ndarray]] = []
-        self.fds: list[int] = []
-        self.size = 0
+        self.ranges = isinstance(src, FileEndpoint) and self.file_dst
+        self._local = threading.local()
 
-    def page(self, ph: bytes, objs: list[SourceObject]) -> int:
-        """Cut one page's target objects into the batch; returns the source bytes read."""
-        p, counts = self.p, self.res.counts
-        srcs, nbytes = [], 0
+    # -- driving -------------------------------------------------------------------------------
+    def threaded(self, workers: int, progress) -> None:
+        self.dst.backend()                  # created here, once, before any thread writes
+        pending: collections.deque[Future] = collections.deque()
+        ex = ThreadPoolExecutor(workers, thread_name_prefix="hicache-convert")
+        try:
+            for ph, objs in self.p.pages.items():
+                pending.append(ex.submit(self._direct, ph, objs))
+                if len(pending) >= 2 * workers:
+                    self._collect(pending.popleft().result(), progress)
+            while pending:
+                self._collect(pending.popleft().result(), progress)
+        finally:
+            # Stopped early (Ctrl-C, an error): pages not started are dropped, those running
+            # finish — each of their objects is published whole — and are counted.
+            for f in pending:
+                f.cancel()
+            ex.shutdown(wait=True)
+            for f in pending:
+                if not f.cancelled() and f.exception() is None:
+                    self._merge(f.result())
+
+    def inline(self, progress) -> None:
+        batch: list[_Page] = []
+        size = 0
+        for ph, objs in self.p.pages.items():
+            if self.file_dst:
+                self._collect(self._direct(ph, objs), progress)
+                continue
+            w = _Page()
+            try:
+                self._cut_page(ph, objs, w, fresh)
+            finally:
+                self._close(w)
+            batch.append(w)
+            size += sum(o.size for o in w.outs)
+            if size >= BATCH_BYTES:
+                self._flush(batch)
+                batch, size = [], 0
+            if progress is not None:
+                progress(w.nbytes)
+        self._flush(batch)
+
+    def _collect(self, w: _Page, progress) -> None:
+        self._merge(w)
+        if w.error is not None:
+            raise w.error
+        if progress is not None:
+            progress(w.nbytes)
+
+    def _merge(self, w: _Page) -> None:
+        for k, v in w.counts.items():
+            self.res.counts[k] += v
+
+    # -- one page ------------------------------------------------------------------------------
+    def _direct(self, ph: bytes, objs: list[SourceObject]) -> _Page:
+        """Read, cut, write, publish (and verify) one page into a file destination, with
+        this thread's reused buffers; errors travel in the result, with its counts."""
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None:
+            bufs = self._local.bufs = Buffers()
+        w = _Page()
+        try:
+            self._cut_page(ph, objs, w, bufs.take)
+            if w.outs:
+                backend = self.dst.backend()
+                oks = backend.publish([backend.stage(o.key, o.parts) for o in w.outs])
+                self._written(w, w.outs, oks)
+        except (InputError, StorageError) as e:
+            w.error = e
+        finally:
+            self._close(w)
+            bufs.release()
+        return w
+
+    def _cut_page(self, ph: bytes, objs: list[SourceObject], w: _Page, take) -> None:
+        """Read and check the page's sources, cut its target objects into ``w.outs`` (those
+        the destination holds already are compared, not written)."""
+        p, counts = self.p, w.counts
+        srcs: list[Source] = []
         for o in objs:
-            arr, n, fd = _read_source(self.src, o, self.ranges)
-            nbytes += n
+            s, n, fd = read_source(self.src, o, take, self.ranges)
+            w.nbytes += n
             if fd is not None:
-                self.fds.append(fd)
-            if arr is None:
+                w.fds.append(fd)
+            if s is None:
                 counts["read_corrupt"] += 1
             else:
-                srcs.append((o, arr, fd, n - o.region.page_bytes))
-        mask = _covered([s[0] for s in srcs], p.model)
+                srcs.append(s)
+        mask = _covered([s.obj for s in srcs], p.model)
         for i in p.out[ph]:
             t = p.tiles[i]
             if not mask[t.layers[0]:t.layers[1], t.heads[0]:t.heads[1]].all():
                 counts["not_produced"] += 1
                 continue
-            payload = _cut(t, [(o, a) for o, a, _, _ in srcs], p.model, p.target_order)
-            header = p.codecs[i].encode_header(ph, payload)
+            runs = byte_runs(t, srcs) if self.ranges else None
+            if runs:
+                pieces = [s.payload[a:a + n] for s, a, n in runs]
+                whole = len(runs) == 1 and len(pieces[0]) == len(runs[0][0].payload)
+                psum = runs[0][0].checksum if whole else checksum_parts(pieces)
+                body = [FileRange(s.fd, s.header_len + a, n) for s, a, n in runs]
+            else:
+                payload = cut(t, srcs, p.target_order, take)
+                pieces = body = [payload]
+                psum = checksum_parts(pieces)
+            header = p.codecs[i].header_for(ph, t.payload_len, psum)
             key = object_key(ph, t.suffix)
             if key in p.present:
-                _same(self.dst, key, header, payload)
+                self._same(key, header, pieces)
                 counts["skipped_present"] += 1
                 continue
-            runs = _runs(t, srcs, p.target_order) if self.ranges else None
             if runs:
-                counts["kernel_copied_bytes"] += payload.nbytes
-            self.batch.append((key, [header, *(runs or [payload])], header, payload))
-            self.size += len(header) + payload.nbytes
-        return nbytes
+                counts["kernel_copied_bytes"] += t.payload_len
+            w.outs.append(_Out(key, [header, *body], header, pieces,
+                               len(header) + t.payload_len))
 
-    def flush(self) -> None:
-        batch, counts = self.batch, self.res.counts
-        self.batch, self.size = [], 0
-        if batch:
-            oks = self.dst.put([b[0] for b in batch], [b[1] for b in batch])
-            for (_, _, h, pl), ok in zip(batch, oks):
-                if ok:
-                    counts["written"] += 1
-                    counts["bytes_written"] += len(h) + pl.nbytes
-            if not all(oks):
-                failed = next(b[0] for b, ok in zip(batch, oks) if not ok)
-                raise StorageError(
-                    f"the destination refused {oks.count(False)} object(s) (e.g. {failed}): "
-                    "disk full or an I/O error; every object written so far is whole: free "
-                    "space and run again to resume")
-            if self.verify:
-                for k, _, h, pl in batch:
-                    _same(self.dst, k, h, pl)
-                    counts["verified"] += 1
-        self.release()
+    def _written(self, w: _Page, outs: list[_Out], oks: list[bool]) -> None:
+        """Count what the destination took; verify it; a refusal becomes ``w.error``."""
+        for o, ok in zip(outs, oks):
+            if ok:
+                w.counts["written"] += 1
+                w.counts["bytes_written"] += o.size
+        if not all(oks):
+            failed = next(o.key for o, ok in zip(outs, oks) if not ok)
+            w.error = StorageError(
+                f"the destination refused {oks.count(False)} object(s) (e.g. {failed}): disk "
+                "full or an I/O error; every object written so far is whole: free space and "
+                "run again to resume")
+            return
+        if self.verify:
+            for o in outs:
+                self._same(o.key, o.header, o.pieces)
+                w.counts["verified"] += 1
 
-    def release(self) -> None:
-        for fd in self.fds:
+    def _flush(self, batch: list[_Page]) -> None:
+        """Write a batch of pages' objects to a destination that is not a file store."""
+        outs = [o for w in batch for o in w.outs]
+        total = _Page()
+        for w in batch:
+            self._merge(w)
+        if outs:
+            self._written(total, outs, self.dst.put([o.key for o in outs],
+                                                    [o.parts for o in outs]))
+        self._merge(total)
+        if total.error is not None:
+            raise total.error
+
+    def _same(self, key: str, header: bytes, pieces: list) -> None:
+        if not holds(self.dst.read(key), header, pieces):
+            raise InputError(f"the destination's object {key} differs from what this "
+                             "conversion produces (a conflicting or damaged object); remove it "
+                             "and run again")
+
+    @staticmethod
+    def _close(w: _Page) -> None:
+        for fd in w.fds:
             os.close(fd)
-        self.fds = []
-
-
-def _runs(tile: Tile, srcs: list, order: KVOrder) -> list[FileRange] | None:
-    """The tile's payload as byte ranges of source files, when it is one: every source piece
-    holds exactly the tile's kv-heads, both payloads are layer_first, the sources are files."""
-    if order is not KVOrder.LAYER_FIRST:
-        return None
-    (tl0, tl1), heads = tile.layers, tile.heads
-    out, at = [], tl0
-    while at < tl1:
-        for o, _, fd, hlen in srcs:
-            (l0, l1), hs = span(o.region)
-            if fd is not None and o.order is KVOrder.LAYER_FIRST and hs == heads and \
-                    l0 <= at < l1:
-                end = min(l1, tl1)
-                per_layer = o.region.page_bytes // o.region.num_layers
-                out.append(FileRange(fd, hlen + (at - l0) * per_layer, (end - at) * per_layer))
-                at = end
-                break
-        else:
-            return None
-    return out
-
-
-def _read_source(src: Endpoint, o: SourceObject,
-                 keep_fd: bool) -> tuple[np.ndarray | None, int, int | None]:
-    """(the verified payload as a tensor or None, bytes read, the open file when kept)."""
-    fd = None
-    if keep_fd and isinstance(src, FileEndpoint):
-        # Mapped, not read: the checksum and the cuts read the page cache directly, and the
-        # bytes copied in the kernel never pass through user memory.
-        fd = src.open_fd(o.key)
-        raw = src.map_fd(fd) if fd is not None else None
-    else:
-        raw = src.read(o.key)
-    if raw is None:
-        return None, 0, fd
-    try:
-        h = parse_header(raw)
-        payload = memoryview(raw)[h.header_len:]
-        verify_payload(h, payload)
-        if h.payload_len != o.region.page_bytes or h.page_hash != o.page_hash:
-            return None, len(raw), fd
-    except KVObjectError:
-        return None, len(raw), fd
-    return _tensor(payload, o.region, o.order), len(raw), fd
-
-
-def _same(dst: Endpoint, key: str, header: bytes, payload: np.ndarray) -> None:
-    got = dst.read(key)
-    if got is None or got[:len(header)] != header or \
-            memoryview(got)[len(header):] != memoryview(payload).cast("B"):
-        raise InputError(f"the destination's object {key} differs from what this conversion "
-                         "produces (a conflicting or damaged object); remove it and run again")
+        w.fds = []

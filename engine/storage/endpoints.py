@@ -15,7 +15,6 @@ a source is read here with plain ``open``/``read`` instead).
 
 from __future__ import annotations
 
-import mmap
 import os
 import shutil
 import stat
@@ -93,14 +92,6 @@ class FileEndpoint:
             at += len(chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    @staticmethod
-    def map_fd(fd: int) -> "mmap.mmap | bytes | None":
-        """The whole file, mapped read-only (``b""`` when empty, None when too large)."""
-        size = os.fstat(fd).st_size
-        if size > MAX_OBJECT_BYTES:
-            return None
-        return mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else b""
-
     def read(self, key: str, limit: int | None = None) -> bytes | None:
         """The object (its first ``limit`` bytes), or None when missing / too large / not a
         regular file."""
@@ -115,13 +106,18 @@ class FileEndpoint:
     def exists(self, keys: Sequence[str]) -> list[bool]:
         return [os.path.exists(self._path(k)) for k in keys]
 
-    def put(self, keys: Sequence[str], parts: Sequence[Sequence[Buffer]]) -> list[bool]:
+    def backend(self):
+        """The :class:`FileBackend` that writes this destination (created on the first call:
+        a refused run creates nothing)."""
         assert self._create, "a source endpoint is never written"
         if self._backend is None:
             from engine.storage.backends.file import FileBackend
 
             self._backend = FileBackend(FileStoreConfig(dir=self.root))
-        return self._backend.put(keys, parts)
+        return self._backend
+
+    def put(self, keys: Sequence[str], parts: Sequence[Sequence[Buffer]]) -> list[bool]:
+        return self.backend().put(keys, parts)
 
     def free_bytes(self) -> int | None:
         d = self.root

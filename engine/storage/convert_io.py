@@ -1,0 +1,179 @@
+"""Moving bytes for ``convert-layout`` (:mod:`engine.storage.convert`): reused buffers, a source
+object read and checked whole, the cuts of target rectangles, and comparing what a destination
+holds with what a conversion produces.
+
+Where the time of a conversion goes (docs/storage.md, "convert-layout", throughput): creating
+files, and the kernel's page-cache work for every byte written. Here, that shapes three things:
+
+* **No fresh memory per object.** A worker thread reads sources into, and cuts targets into,
+  buffers it keeps (:class:`Buffers`); fresh pages for every object cost more than the copy.
+* **Source bytes are read once**, into memory, and checked there (header and payload checksum);
+  every cut, checksum and comparison works on those bytes. Between file stores, target payloads
+  that are whole byte runs of source files are copied by the kernel from the same (immutable,
+  content-addressed) files; their checksums are computed from the checked bytes.
+* **Rows, not bytes.** Cuts move ``head_dim × itemsize`` byte rows as one numpy element each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+
+from engine.core.layout import KVLayout
+from engine.storage.endpoints import Endpoint, FileEndpoint
+from engine.storage.placement import KVOrder, Tile, span
+from formats.kvobject import KVObjectError, parse_header, verify_payload
+
+_SINK = memoryview(bytearray(1))     # the byte past an object's end (a longer file fills it)
+
+
+class Buffers:
+    """Reusable byte buffers by size, for one thread: ``take`` during a page, ``release`` after
+    (when every write and comparison that uses them is done)."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._used: list[np.ndarray] = []
+
+    def take(self, nbytes: int) -> np.ndarray:
+        free = self._free.get(nbytes)
+        buf = free.pop() if free else np.empty(nbytes, dtype=np.uint8)
+        self._used.append(buf)
+        return buf
+
+    def release(self) -> None:
+        for buf in self._used:
+            self._free.setdefault(buf.nbytes, []).append(buf)
+        self._used = []
+
+
+def fresh(nbytes: int) -> np.ndarray:
+    return np.empty(nbytes, dtype=np.uint8)
+
+
+@dataclasses.dataclass
+class Source:
+    """A checked source object: its payload (bytes in memory), the rectangle as a
+    ``[layers, kv_kinds, page_size, heads]`` array of rows, and the open file when kept."""
+
+    obj: object                 # the plan's SourceObject
+    payload: memoryview
+    rows: np.ndarray
+    checksum: int
+    fd: int | None
+    header_len: int
+
+
+def row_dtype(layout: KVLayout) -> np.dtype:
+    return np.dtype((np.void, layout.head_dim * layout.itemsize))
+
+
+def rows_of(payload, region: KVLayout, order: KVOrder) -> np.ndarray:
+    """``[layers, kv_kinds, page_size, heads]`` rows of a payload (a view)."""
+    L, K, P, H = region.num_layers, region.kv_kinds, region.page_size, region.kv_heads
+    a = np.frombuffer(payload, dtype=row_dtype(region))
+    if order is KVOrder.LAYER_FIRST:
+        return a.reshape(L, K, P, H)
+    return a.reshape(P, L, K, H).transpose(1, 2, 0, 3)
+
+
+def read_source(src: Endpoint, o, take, keep_fd: bool) -> tuple[Source | None, int, int | None]:
+    """Read ``o`` whole and check it: (the source or None when missing or corrupt, bytes read,
+    the open file descriptor, kept open when ``keep_fd`` — the caller closes it)."""
+    if not isinstance(src, FileEndpoint):
+        raw = src.read(o.key)
+        return (_check(memoryview(raw), o, None) if raw is not None else None), \
+            len(raw or b""), None
+    fd = src.open_fd(o.key)
+    if fd is None:
+        return None, 0, None
+    try:
+        buf = take(o.size)
+        n = os.preadv(fd, [buf, _SINK], 0)
+        while 0 < n < o.size:              # a short read of a regular file: read on
+            got = os.preadv(fd, [memoryview(buf)[n:]], n)
+            if got <= 0:
+                break
+            n += got
+    except OSError:
+        n = -1
+    if not keep_fd:
+        os.close(fd)
+        fd = None
+    if n != o.size:                        # changed size since the scan, or unreadable
+        return None, max(n, 0), fd
+    return _check(memoryview(buf), o, fd), n, fd
+
+
+def _check(raw: memoryview, o, fd: int | None) -> Source | None:
+    try:
+        h = parse_header(raw)
+        payload = raw[h.header_len:]
+        verify_payload(h, payload)
+    except KVObjectError:
+        return None
+    if h.payload_len != o.region.page_bytes or h.page_hash != o.page_hash:
+        return None
+    return Source(o, payload, rows_of(payload, o.region, o.order), h.payload_checksum, fd,
+                  h.header_len)
+
+
+def byte_runs(tile: Tile, srcs: list[Source]) -> list[tuple[Source, int, int]] | None:
+    """The tile's payload as ``(source, offset in its payload, length)`` runs, when it is
+    that: ``layer_first`` on both sides, and each piece from a source with exactly the tile's
+    kv-heads (cuts and joins along the layer axis)."""
+    (tl0, tl1), heads = tile.layers, tile.heads
+    out, at = [], tl0
+    while at < tl1:
+        for s in srcs:
+            o = s.obj
+            (l0, l1), hs = span(o.region)
+            if o.order is KVOrder.LAYER_FIRST and hs == heads and l0 <= at < l1:
+                end = min(l1, tl1)
+                per_layer = o.region.page_bytes // o.region.num_layers
+                out.append((s, (at - l0) * per_layer, (end - at) * per_layer))
+                at = end
+                break
+        else:
+            return None
+    return out
+
+
+def cut(tile: Tile, srcs: list[Source], order: KVOrder, take) -> np.ndarray:
+    """The tile's payload (flat bytes): a view of one source when that one holds it in the
+    target's byte order already, else assembled into a buffer from ``take``."""
+    (tl0, tl1), (th0, th1) = tile.layers, tile.heads
+    for s in srcs:
+        (l0, l1), (h0, h1) = span(s.obj.region)
+        if l0 <= tl0 and tl1 <= l1 and h0 <= th0 and th1 <= h1:
+            v = s.rows[tl0 - l0:tl1 - l0, :, :, th0 - h0:th1 - h0]
+            phys = v if order is KVOrder.LAYER_FIRST else v.transpose(2, 0, 1, 3)
+            if phys.flags.c_contiguous:
+                return phys.reshape(-1).view(np.uint8)
+            break
+    lay = tile.layout
+    out = take(lay.page_bytes)
+    dest = rows_of(out, lay, order)
+    for s in srcs:
+        (l0, l1), (h0, h1) = span(s.obj.region)
+        a0, a1, b0, b1 = max(l0, tl0), min(l1, tl1), max(h0, th0), min(h1, th1)
+        if a0 < a1 and b0 < b1:
+            dest[a0 - tl0:a1 - tl0, :, :, b0 - th0:b1 - th0] = \
+                s.rows[a0 - l0:a1 - l0, :, :, b0 - h0:b1 - h0]
+    return out
+
+
+def holds(got: bytes | None, header: bytes, pieces: list) -> bool:
+    """Whether ``got`` (an object read back) is ``header`` followed by the ``pieces``."""
+    size = len(header) + sum(len(p) for p in pieces)
+    if got is None or len(got) != size or got[:len(header)] != header:
+        return False
+    at = len(header)
+    for p in pieces:
+        n = len(p)
+        if not np.array_equal(np.frombuffer(got, np.uint8, n, at), np.frombuffer(p, np.uint8)):
+            return False
+        at += n
+    return True
