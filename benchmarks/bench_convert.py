@@ -17,12 +17,18 @@ written from user memory (the ``kernel_copied_bytes`` column says which).
 A conversion is timed as the command does it (``plan``: list and read every header, check the
 destination; ``run``: read, verify checksums, cut, encode, write with atomic renames), in this
 process (no interpreter start-up). Every timed operation starts after an untimed ``sync`` so that
-neither side pays for the other's writeback; each pair alternates which goes first; the best of
-``--repeat`` is reported, with the median of the per-pair ratios (a copy and a conversion run
-back to back) as the noise indicator. Speed is source bytes per second; the ratio is convert /
-copy speed.
+neither side pays for the other's writeback, and writes a directory of its own: nothing is
+deleted between the timed operations of a step. Deleting is left to the end of a step, followed
+by ``sync`` and ``--settle`` seconds of waiting, because on ext4 without a journal (the
+development VM's disk) creating a file scans past every inode of its block group freed in the
+last 60 s, and after the thousands of deletes of a previous copy a create took up to 1 ms
+(``perf``: ``recently_deleted`` under ``__ext4_new_inode``) — a penalty on whoever creates the
+most files next, not a cost of either operation. Each pair alternates which goes first; the best
+of ``--repeat`` is reported, with the per-pair ratios (a copy and a conversion run back to back)
+as the noise indicator. Speed is source bytes per second; the ratio is convert / copy speed.
 
     .venv/bin/python benchmarks/bench_convert.py [--gb 2] [--dir DIR] [--repeat 2] [--json]
+        [--settle 65] [--workers N]
 """
 
 from __future__ import annotations
@@ -94,24 +100,33 @@ def time_copy(src: str, dst: str) -> float:
     sync()
     t0 = time.perf_counter()
     subprocess.run(["cp", "-r", src, dst], check=True)
-    t = time.perf_counter() - t0
-    shutil.rmtree(dst)
-    return t
+    return time.perf_counter() - t0
 
 
-def time_convert(src: str, dst: str, to: str, keep: bool) -> tuple[float, dict]:
+def time_convert(src: str, dst: str, to: str, workers: int | None) -> tuple[float, dict]:
     sync()
     t0 = time.perf_counter()
     s_ep = open_endpoint(src, source=True)
     d_ep = open_endpoint(dst, source=False)
     p = plan(s_ep, d_ep, to)
-    res = run(p, s_ep, d_ep)
+    res = run(p, s_ep, d_ep, workers=workers)
     s_ep.close()
     d_ep.close()
-    t = time.perf_counter() - t0
-    if not keep:
-        shutil.rmtree(dst)
-    return t, {**p.summary(), **res.counts}
+    return time.perf_counter() - t0, {**p.summary(), **res.counts}
+
+
+def settle(paths: list[str], seconds: float) -> None:
+    """Delete ``paths`` (untimed), then let the freed inodes age (see the module docstring)."""
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+    sync()
+    if seconds > 0:
+        print(f"settling {seconds:.0f} s after deleting", file=sys.stderr)
+        time.sleep(seconds)
+
+
+def load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 def main() -> None:
@@ -119,59 +134,76 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=2.0, help="source size in GiB (default 2)")
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--settle", type=float, default=65.0,
+                    help="seconds to wait after deleting, before timing (default 65)")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="convert-layout worker threads (default: its own default)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     work = tempfile.mkdtemp(prefix="bench-convert-", dir=a.dir)
     try:
         free = shutil.disk_usage(work).free
-        if free < 3.5 * a.gb * (1 << 30):
+        need = (2 * a.repeat + 2.5) * a.gb * (1 << 30)
+        if free < need:
             sys.exit(f"bench_convert: {free / 2**30:.1f} GiB free in {work}; needs about "
-                     f"{3.5 * a.gb:.1f} (use --gb or --dir)")
+                     f"{need / 2**30:.1f} (use --gb, --repeat or --dir)")
         src = os.path.join(work, "s0")
         t0 = time.perf_counter()
         nbytes = build_source(src, a.gb)
         print(f"source: legacy tp=2, {nbytes / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s",
               file=sys.stderr)
-        rows = []
-        for i, (name, to) in enumerate(STEPS):
-            nxt = os.path.join(work, f"s{i + 1}")
-            copies: list[float] = []
-            convs: list[tuple[float, dict]] = []
-            for r in range(a.repeat):
-                last = r == a.repeat - 1
-                for which in (("copy", "convert") if r % 2 == 0 else ("convert", "copy")):
-                    if which == "copy":
-                        copies.append(time_copy(src, os.path.join(work, "copy")))
-                    else:
-                        convs.append(time_convert(src, nxt, to, keep=last))
-            info = convs[-1][1]
-            best_copy, best_conv = min(copies), min(t for t, _ in convs)
-            src_bytes = info["bytes_in"]
-            pairs = [round(c / t, 3) for c, (t, _) in zip(copies, convs)]
-            row = {"conversion": name, "bytes_in": src_bytes, "objects_in": info["objects_in"],
-                   "objects_out": info["objects_out"], "copy_s": round(best_copy, 3),
-                   "convert_s": round(best_conv, 3),
-                   "copy_gbps": round(src_bytes / best_copy / 1e9, 3),
-                   "convert_gbps": round(src_bytes / best_conv / 1e9, 3),
-                   "ratio": round(best_copy / best_conv, 3),
-                   "pair_ratios": pairs,
-                   "median_pair_ratio": round(statistics.median(pairs), 3),
-                   "kernel_copied_bytes": info["kernel_copied_bytes"],
-                   "all_copy_s": [round(t, 3) for t in copies],
-                   "all_convert_s": [round(t, 3) for t, _ in convs]}
-            rows.append(row)
-            kernel = info["kernel_copied_bytes"] / max(1, info["bytes_out"])
-            print(f"{name:46s} {src_bytes / 1e9:5.2f} GB  {info['objects_in']:6d} -> "
-                  f"{info['objects_out']:6d} objects  kernel-copied {kernel:4.0%}  copy "
-                  f"{row['copy_gbps']:.2f} GB/s  convert {row['convert_gbps']:.2f} GB/s  "
-                  f"ratio {row['ratio']:.2f}  median pair {row['median_pair_ratio']:.2f}",
-                  file=sys.stderr)
-            shutil.rmtree(src)
-            src = nxt
+        settle([], a.settle)
+        rows = [step(i, name, to, os.path.join(work, f"s{i}"), work, a)
+                for i, (name, to) in enumerate(STEPS)]
         if a.json:
-            print(json.dumps({"cpus": os.cpu_count(), "rows": rows}, indent=2))
+            print(json.dumps({"cpus": os.cpu_count(), "workers": a.workers, "rows": rows},
+                             indent=2))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def step(i: int, name: str, to: str, src: str, work: str, a) -> dict:
+    """Time ``--repeat`` pairs of (cp -r, convert) of ``src``; keeps the last conversion as the
+    next step's source and deletes everything else."""
+    copies: list[float] = []
+    convs: list[tuple[float, dict]] = []
+    outs: list[str] = []
+    load_before = load()
+    for r in range(a.repeat):
+        for which in (("copy", "convert") if r % 2 == 0 else ("convert", "copy")):
+            out = os.path.join(work, f"s{i}-{which}{r}")
+            outs.append(out)
+            if which == "copy":
+                copies.append(time_copy(src, out))
+            else:
+                convs.append(time_convert(src, out, to, a.workers))
+    info = convs[-1][1]
+    best_copy, best_conv = min(copies), min(t for t, _ in convs)
+    src_bytes = info["bytes_in"]
+    pairs = [round(c / t, 3) for c, (t, _) in zip(copies, convs)]
+    row = {"conversion": name, "bytes_in": src_bytes, "objects_in": info["objects_in"],
+           "objects_out": info["objects_out"], "copy_s": round(best_copy, 3),
+           "convert_s": round(best_conv, 3),
+           "copy_gbps": round(src_bytes / best_copy / 1e9, 3),
+           "convert_gbps": round(src_bytes / best_conv / 1e9, 3),
+           "ratio": round(best_copy / best_conv, 3),
+           "pair_ratios": pairs,
+           "median_pair_ratio": round(statistics.median(pairs), 3),
+           "kernel_copied_bytes": info["kernel_copied_bytes"],
+           "all_copy_s": [round(t, 3) for t in copies],
+           "all_convert_s": [round(t, 3) for t, _ in convs],
+           "load_avg_before": load_before, "load_avg_after": load()}
+    kernel = info["kernel_copied_bytes"] / max(1, info["bytes_out"])
+    print(f"{name:46s} {src_bytes / 1e9:5.2f} GB  {info['objects_in']:6d} -> "
+          f"{info['objects_out']:6d} objects  kernel-copied {kernel:4.0%}  copy "
+          f"{row['copy_gbps']:.2f} GB/s  convert {row['convert_gbps']:.2f} GB/s  "
+          f"ratio {row['ratio']:.2f}  pairs {' / '.join(f'{x:.2f}' for x in pairs)}  "
+          f"load {row['load_avg_before'][0]:.1f}-{row['load_avg_after'][0]:.1f}",
+          file=sys.stderr)
+    keep = [o for o in outs if "-convert" in os.path.basename(o)][-1]
+    os.rename(keep, os.path.join(work, f"s{i + 1}"))
+    settle([src, *[o for o in outs if o != keep]], a.settle if i + 1 < len(STEPS) else 0)
+    return row
 
 
 if __name__ == "__main__":

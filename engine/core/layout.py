@@ -63,7 +63,7 @@ class KVLayout:
 
     @property
     def itemsize(self) -> int:
-        return torch.tensor([], dtype=self.torch_dtype).element_size()
+        return self.torch_dtype.itemsize
 
     @property
     def token_bytes_per_layer(self) -> int:
