@@ -21,14 +21,15 @@ neither side pays for the other's writeback, and writes a directory of its own: 
 deleted between the timed operations of a step. Deleting is left to the end of a step, followed
 by ``sync`` and ``--settle`` seconds of waiting, because on ext4 without a journal (the
 development VM's disk) creating a file scans past every inode of its block group freed in the
-last 60 s, and after the thousands of deletes of a previous copy a create took up to 1 ms
-(``perf``: ``recently_deleted`` under ``__ext4_new_inode``) — a penalty on whoever creates the
-most files next, not a cost of either operation. Each pair alternates which goes first; the best
+last 60 s — 300 s while that inode's table block is dirty, as the next creates make it — and
+after the thousands of deletes of a previous copy a create took up to 1 ms (``perf``:
+``recently_deleted`` under ``__ext4_new_inode``): a penalty on whoever creates the most files
+next, not a cost of either operation. Each pair alternates which goes first; the best
 of ``--repeat`` is reported, with the per-pair ratios (a copy and a conversion run back to back)
 as the noise indicator. Speed is source bytes per second; the ratio is convert / copy speed.
 
     .venv/bin/python benchmarks/bench_convert.py [--gb 2] [--dir DIR] [--repeat 2] [--json]
-        [--settle 65] [--workers N]
+        [--settle 300] [--workers N]
 """
 
 from __future__ import annotations
@@ -134,8 +135,8 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=2.0, help="source size in GiB (default 2)")
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--settle", type=float, default=65.0,
-                    help="seconds to wait after deleting, before timing (default 65)")
+    ap.add_argument("--settle", type=float, default=300.0,
+                    help="seconds to wait after deleting, before timing (default 300)")
     ap.add_argument("--workers", type=int, default=None,
                     help="convert-layout worker threads (default: its own default)")
     ap.add_argument("--json", action="store_true")

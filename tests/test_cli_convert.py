@@ -281,6 +281,19 @@ def test_interrupted_run_loses_nothing_and_resumes(tmp_path, workers):
     b.close()
 
 
+def test_headers_read_by_threads_come_in_order(tmp_path):
+    from engine.storage.convert import HEAD_BYTES, _heads
+
+    src, _ = legacy_source(tmp_path)
+    ep = open_endpoint(str(src), source=True)
+    keys = ep.list_keys() + ["f" * 64 + ".gone"]            # one vanished since the listing
+    got = list(_heads(ep, keys, chunk=2))                  # 7 chunks over the worker threads
+    assert [k for k, _ in got] == keys
+    assert [h for _, h in got] == [ep.read(k, HEAD_BYTES) for k in keys]
+    assert got[-1][1] is None and all(h for _, h in got[:-1])
+    ep.close()
+
+
 @pytest.fixture(scope="module")
 def master(tmp_path_factory):
     m = MooncakeMaster(tmp_path_factory.mktemp("mooncake")).start()

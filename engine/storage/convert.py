@@ -9,14 +9,17 @@ Two steps, both pure with respect to the source (it is only read):
   every byte of its rectangle in sound source objects), and checks the destination: objects it
   already holds under a target key must carry exactly the header we would write (else it holds
   *conflicting* objects and nothing is written), and it must have room for the rest.
-* :func:`run` converts page by page: reads and verifies the page's source objects (a corrupt one
+* :func:`run` converts page by page: reads each source object once and checks it (a corrupt one
   is skipped and counted, never copied), cuts the target rectangles (a view of one source
-  payload when one holds the whole rectangle, else assembled), writes them in batches of about
-  8 MiB (the file store publishes each object with an atomic rename), and with ``verify`` reads
-  every written object back and compares it byte for byte. Objects already in the destination
-  are read back and compared instead of rewritten, so a run is resumable. A ``KeyboardInterrupt``
-  stops between batches' objects: every object already written is whole, the result says
-  ``interrupted``, and a second run carries on.
+  payload when one holds the whole rectangle in the target's byte order, else assembled), and
+  writes them. Into a file store, worker threads (:data:`WORKERS`) each take a page: its
+  objects are written to temp files and renamed into place under one lock (payload bytes that
+  are whole runs of source files are copied by the kernel); into Mooncake, objects go in
+  batches of about 8 MiB. With ``verify`` every written object is read back and compared byte
+  for byte. Objects already in the destination are read back and compared instead of
+  rewritten, so a run is resumable. A ``KeyboardInterrupt`` stops the run: pages not started
+  are dropped, pages being written finish, every object visible in the destination is whole,
+  the result says ``interrupted``, and a second run carries on.
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ from formats.kvobject import (
 
 HEAD_BYTES = header_len_for(MAX_LAYOUT_BYTES)
 BATCH_BYTES = 8 << 20
+WORKERS = 4
+"""Worker threads of a file-to-file conversion (and of reading a file store's headers).
+Opening, creating, reading, writing and renaming files run without the GIL, so pages overlap
+each other's file-system waits."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,13 +103,35 @@ def _interpret(description: dict) -> tuple:
     return region, placement, tag, tile.suffix, _group_label(region, placement, tag)
 
 
+def _heads(src: Endpoint, keys: list[str], chunk: int = 256):
+    """``(key, its first HEAD_BYTES or None)`` for every key, in order; a file store's are read
+    by worker threads (opening and reading files runs without the GIL), a few chunks ahead."""
+    if not isinstance(src, FileEndpoint) or len(keys) <= chunk:
+        yield from ((k, src.read(k, HEAD_BYTES)) for k in keys)
+        return
+
+    def read(ks: list[str]) -> list:
+        return [src.read(k, HEAD_BYTES) for k in ks]
+
+    with ThreadPoolExecutor(WORKERS, thread_name_prefix="hicache-scan") as ex:
+        ahead: collections.deque = collections.deque()
+        for start in range(0, len(keys), chunk):
+            ks = keys[start:start + chunk]
+            ahead.append((ks, ex.submit(read, ks)))
+            if len(ahead) > 2 * WORKERS:
+                done, f = ahead.popleft()
+                yield from zip(done, f.result())
+        while ahead:
+            done, f = ahead.popleft()
+            yield from zip(done, f.result())
+
+
 def _scan(src: Endpoint, counts: dict[str, int]):
     """Headers of every source object: {layout group: [SourceObject]}."""
     groups: dict[tuple[str, str, str], list[SourceObject]] = {}
     placements: dict[tuple[str, str, str], tuple[KVLayout, str]] = {}
     known: dict[bytes, tuple] = {}     # layout description -> what it says (parsed once)
-    for key in src.list_keys():
-        head = src.read(key, HEAD_BYTES)
+    for key, head in _heads(src, src.list_keys()):
         if head is None:            # vanished or too large since the listing
             counts["corrupt"] += 1
             continue
@@ -225,10 +254,6 @@ def _check_destination(p: Plan, dst: Endpoint, max_bytes: int | None) -> None:
 
 
 # -- running -----------------------------------------------------------------------------------
-WORKERS = 4
-"""Worker threads of a file-to-file conversion. Creating, writing and renaming files runs
-without the GIL, so pages overlap each other's file-system waits."""
-
 _COUNTS = ("written", "bytes_written", "skipped_present", "verified", "read_corrupt",
            "not_produced", "kernel_copied_bytes")
 
@@ -306,9 +331,9 @@ class _Converter:
             for ph, objs in self.p.pages.items():
                 pending.append(ex.submit(self._direct, ph, objs))
                 if len(pending) >= 2 * workers:
-                    self._collect(pending.popleft().result(), progress)
+                    self._collect_first(pending, progress)
             while pending:
-                self._collect(pending.popleft().result(), progress)
+                self._collect_first(pending, progress)
         finally:
             # Stopped early (Ctrl-C, an error): pages not started are dropped, those running
             # finish — each of their objects is published whole — and are counted.
@@ -339,6 +364,11 @@ class _Converter:
             if progress is not None:
                 progress(w.nbytes)
         self._flush(batch)
+
+    def _collect_first(self, pending: collections.deque, progress) -> None:
+        w = pending[0].result()     # (left in ``pending`` until here: Ctrl-C while waiting)
+        pending.popleft()
+        self._collect(w, progress)
 
     def _collect(self, w: _Page, progress) -> None:
         self._merge(w)
