@@ -43,6 +43,7 @@ _U64 = struct.Struct("<Q")
 _TAIL = struct.Struct("<QQ32s")      # payload_len, payload checksum, page hash: per object
 _TAIL_AT = 8
 _CHECKSUM = xxhash.xxh3_64_intdigest
+_LAYOUT_CACHE = 4096
 
 
 class KVObjectError(FormatError):
@@ -99,8 +100,12 @@ class KVObjectHeader:
     header_len: int
 
 
-def parse_header(buf, *, max_payload: int | None = None) -> KVObjectHeader:
+def parse_header(buf, *, max_payload: int | None = None,
+                 layouts: dict[bytes, dict[str, Any]] | None = None) -> KVObjectHeader:
     """Parse and check the header at the start of ``buf`` (any bytes-like object).
+
+    ``layouts``: layout JSON already parsed (bytes -> dict, filled in here; the dicts are shared,
+    never to be modified): a caller reading many objects of a few layouts parses each once.
 
     Raises :class:`CorruptKVObject` for anything malformed and :class:`KVLayoutMismatch` for an
     unknown format version. The payload itself is not checked here (see :func:`verify_payload`).
@@ -125,12 +130,16 @@ def parse_header(buf, *, max_payload: int | None = None) -> KVObjectHeader:
     if max_payload is not None and payload_len > max_payload:
         raise CorruptKVObject(f"payload of {payload_len} bytes exceeds the limit {max_payload}")
     layout_json = bytes(mv[_PREFIX.size:_PREFIX.size + layout_len])
-    try:
-        layout = json.loads(layout_json)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptKVObject(f"layout description is not JSON: {e}") from None
-    if not isinstance(layout, dict):
-        raise CorruptKVObject("layout description is not a JSON object")
+    layout = layouts.get(layout_json) if layouts is not None else None
+    if layout is None:
+        try:
+            layout = json.loads(layout_json)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CorruptKVObject(f"layout description is not JSON: {e}") from None
+        if not isinstance(layout, dict):
+            raise CorruptKVObject("layout description is not a JSON object")
+        if layouts is not None and len(layouts) < _LAYOUT_CACHE:
+            layouts[layout_json] = layout
     return KVObjectHeader(version, layout, layout_json, payload_len, payload_sum,
                           bytes(page_hash), hlen)
 

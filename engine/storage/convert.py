@@ -131,12 +131,13 @@ def _scan(src: Endpoint, counts: dict[str, int]):
     groups: dict[tuple[str, str, str], list[SourceObject]] = {}
     placements: dict[tuple[str, str, str], tuple[KVLayout, str]] = {}
     known: dict[bytes, tuple] = {}     # layout description -> what it says (parsed once)
+    layouts: dict[bytes, dict] = {}
     for key, head in _heads(src, src.list_keys()):
         if head is None:            # vanished or too large since the listing
             counts["corrupt"] += 1
             continue
         try:
-            h = parse_header(head)
+            h = parse_header(head, layouts=layouts)
             if h.layout_json not in known:
                 known[h.layout_json] = _interpret(h.layout)
         except KVObjectError:
@@ -152,7 +153,8 @@ def _scan(src: Endpoint, counts: dict[str, int]):
         groups.setdefault(g, []).append(SourceObject(key, h.page_hash, region,
                                                      placement.kv_order,
                                                      h.header_len + h.payload_len))
-        placements[g] = (region.whole(), tag)
+        if g not in placements:
+            placements[g] = (region.whole(), tag)
     return groups, placements
 
 

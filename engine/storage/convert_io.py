@@ -107,9 +107,12 @@ def read_source(src: Endpoint, o, take, keep_fd: bool) -> tuple[Source | None, i
     return _check(memoryview(buf), o, fd), n, fd
 
 
+_LAYOUTS: dict[bytes, dict] = {}      # layout JSON seen in sources, parsed once (shared)
+
+
 def _check(raw: memoryview, o, fd: int | None) -> Source | None:
     try:
-        h = parse_header(raw)
+        h = parse_header(raw, layouts=_LAYOUTS)
         payload = raw[h.header_len:]
         verify_payload(h, payload)
     except KVObjectError:

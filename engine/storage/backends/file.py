@@ -99,10 +99,11 @@ def open_regular(path: str, flags: int = _RDFLAGS, mode: int = 0o644) -> int:
     return fd
 
 
-WRITE_CHUNK = 1 << 20
-"""Bytes per write system call at most. One call of 2 MiB or more lets the kernel back the page
-cache with a huge folio; on the development VM that costs about 4x the system time of the same
-bytes written 1 MiB at a time (docs/storage.md, "convert-layout", throughput)."""
+WRITE_CHUNK = 64 << 10
+"""Bytes per write system call at most. The kernel sizes page-cache folios by the write: a call
+of 1 MiB or more gets high-order ones, and on the development VM (free memory handed back to the
+host in large blocks) those cost up to 10x the system time of the same bytes written 64 KiB at
+a time — the size ``cp``'s in-kernel copy moves (docs/storage.md, "convert-layout")."""
 
 
 def _capped(views: list[memoryview]) -> list[memoryview]:
