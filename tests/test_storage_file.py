@@ -215,3 +215,36 @@ def test_a_full_disk_is_one_warning_not_one_per_object(tmp_path, caplog):
     b._error("write", "/store/objects/x", full)
     assert "(and 199 more like it since the last warning)" in caplog.records[-1].getMessage()
     b.close()
+
+
+def test_staged_objects_from_threads_appear_only_when_published(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    b = open_store(tmp_path / "s", size_limit_bytes=4 << 20)
+    keys = [f"{i:02x}" * 32 + ".x" for i in range(16)]
+    payloads = [np.full(100_000 + i, i, dtype=np.uint8) for i in range(16)]
+    big = np.zeros(5 << 20, dtype=np.uint8)                # over the size limit: refused
+    with ThreadPoolExecutor(4) as ex:
+        staged = list(ex.map(lambda kp: b.stage(kp[0], [b"head", kp[1]]),
+                             zip(keys, payloads)))
+    staged.append(b.stage("ff" * 32 + ".big", [big]))
+    assert staged[-1] is None
+    assert b.exists(keys) == [False] * 16                   # nothing visible yet
+    assert b.publish(staged) == [True] * 16 + [False]
+    assert b.exists(keys) == [True] * 16 and os.listdir(tmp_path / "s" / "tmp") == []
+    got = [bytearray(4 + len(p)) for p in payloads]
+    assert b.get(keys, [[g] for g in got]) == [4 + len(p) for p in payloads]
+    assert all(bytes(g) == b"head" + p.tobytes() for g, p in zip(got, payloads))
+    assert b.usage() == (sum(4 + len(p) for p in payloads), 16)
+    b.close()
+
+
+def test_large_payloads_are_written_in_full_by_capped_calls(tmp_path):
+    from engine.storage.backends.file import WRITE_CHUNK
+
+    b = open_store(tmp_path / "s")
+    parts = [b"h" * 100, np.arange(3 * WRITE_CHUNK + 7, dtype=np.uint8), b"", b"tail"]
+    assert b.put(["ab" * 32], [parts]) == [True]
+    raw = open(b.object_path("ab" * 32), "rb").read()
+    assert raw == b"".join(bytes(memoryview(p)) for p in parts)
+    b.close()
