@@ -1,29 +1,37 @@
-"""`bench serve --pp 2 --tp 2`: four processes, two pipeline stages of two TP ranks each
-(engine.runtime.pp_grid, docs/parallelism.md). Greedy outputs equal one process's for a fresh
-prompt, an L1 hit and an L2 restore with a delayed stage; all four rank logs agree (stage 0's TP
-ranks agree on the ACK counts, every later rank consumes exactly those); a killed rank stops the
-pipeline with a message naming it; L3 objects are the unified ones, so a store written by the
-grid serves one process and the reverse."""
+"""`bench serve --pp 2 --tp 2` (and `--pp 2 --cp 2`, `--pp 2 --tp 2 --cp 2`): two pipeline
+stages, each a TP / CP group (engine.runtime.pp_grid, docs/parallelism.md). Greedy outputs equal
+one process's for a fresh prompt, an L1 hit and an L2 restore with a delayed stage; all rank logs
+agree (stage 0's ranks agree on the ACK counts, every later rank consumes exactly those); a
+killed rank stops the pipeline with a message naming it; L3 objects are the unified ones, so a
+store written by the grid serves one process and the reverse."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
-from collections import Counter
 
 import pytest
 import requests
 from typer.testing import CliRunner
 
 from engine.runtime.model import preset
-from engine.runtime.serving import ServerConfig
+from engine.runtime.serving import ServerConfig, start_server
 from formats.ranklog import read_ranklog
 from hicache_cli.app import app
 from tests.test_pipeline_serve import PROMPTS, check, generate, serve, workload
 from tests.test_tp_serve import _kv_bytes, _used
 
 GRID = dict(pp=2, tp=2)
+SHAPES = {"pp2xtp2": dict(pp=2, tp=2), "pp2xcp2": dict(pp=2, cp=2),
+          "pp2xtp2xcp2": dict(pp=2, tp=2, cp=2)}
+
+
+def serve_shape(**kw):
+    """A server whose L1 holds 512 tokens in all (``--l1-tokens`` is per CP rank), as
+    tests.test_pipeline_serve.serve's does."""
+    cp = kw.get("cp", 1)
+    return start_server(ServerConfig(port=0, l1_tokens=512 // cp, l2_tokens=4096, **kw))
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +48,11 @@ def _acks(path) -> list:
     return header, [(e["queue"], e["consumed"]) for e in events if e["kind"] == "pp_ack"]
 
 
-def test_pp2_tp2_equals_one_process_and_its_four_logs_agree(one_process, tmp_path):
-    h = serve(**GRID, debug_transfer_delay="1:20", rank_log_dir=str(tmp_path))
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+def test_the_grid_equals_one_process_and_its_logs_agree(one_process, tmp_path, shape):
+    kw = SHAPES[shape]
+    world = 2 * kw.get("tp", 1) * kw.get("cp", 1)
+    h = serve_shape(**kw, debug_transfer_delay="1:20", rank_log_dir=str(tmp_path))
     try:
         got = workload(h.url)
         metrics = requests.get(h.url + "/metrics", timeout=10).text
@@ -49,6 +60,18 @@ def test_pp2_tp2_equals_one_process_and_its_four_logs_agree(one_process, tmp_pat
         h.stop()
     assert got == one_process                          # tokens and hits, tier by tier
     assert got[1][1]["device"] > 0 and got[4][1]["host"] > 0    # an L1 hit, an L2 restore
+    code, report = check(tmp_path)
+    assert code == 0, report
+    assert report["ranks"] == world
+    acks = {}
+    for r in range(world):
+        header, acks[r] = _acks(tmp_path / f"rank{r}.ranklog")
+        assert header["pp_rank"] == r // (world // 2) and header["world_size"] == world
+        assert (header["tp_size"], header["cp_size"]) == (kw.get("tp", 1), kw.get("cp", 1))
+    assert sum(n for q, n in acks[0] if q == "backup") > 0     # pp_sync consumed backups
+    assert all(acks[r] == acks[0] for r in range(world))
+    if shape != "pp2xtp2":
+        return
     # stage 0's ranks hold half the layers × half the kv-heads each
     whole = preset("tiny").kv_layout(16)
     kv = _kv_bytes(metrics)
@@ -58,17 +81,9 @@ def test_pp2_tp2_equals_one_process_and_its_four_logs_agree(one_process, tmp_pat
         for r in (0, 1):
             assert kv[(str(r), tier)] == used // 16 * whole.shard(2, r, 2, 0).page_bytes
     assert whole.shard(2, 0, 2, 0).page_bytes * 4 == whole.page_bytes
-    code, report = check(tmp_path)
-    assert code == 0, report
-    assert report["ranks"] == 4
-    seen = {}
     for r in range(4):
-        header, acks = _acks(tmp_path / f"rank{r}.ranklog")
+        header, _ = _acks(tmp_path / f"rank{r}.ranklog")
         assert (header["pp_rank"], header["tp_rank"]) == divmod(r, 2)
-        assert (header["pp_size"], header["tp_size"], header["world_size"]) == (2, 2, 4)
-        seen[r] = acks
-    assert sum(n for q, n in seen[0] if q == "backup") > 0     # pp_sync consumed backups
-    assert all(seen[r] == seen[0] for r in range(4)), {r: Counter(a) for r, a in seen.items()}
 
 
 def test_stage_0_tp_ranks_agree_on_the_counts_they_pass_down(one_process, tmp_path):
@@ -88,8 +103,10 @@ def test_stage_0_tp_ranks_agree_on_the_counts_they_pass_down(one_process, tmp_pa
     assert all(a == acks[0] for a in acks)
 
 
-def test_a_killed_rank_of_the_grid_stops_the_pipeline_naming_it():
-    h = serve(**GRID, collective_timeout_s=20)
+@pytest.mark.parametrize("shape,name", [
+    ("pp2xtp2", "stage 1 TP rank 1 (rank 3)"), ("pp2xcp2", "stage 1 CP rank 1 (rank 3)")])
+def test_a_killed_rank_of_the_grid_stops_the_pipeline_naming_it(shape, name):
+    h = serve_shape(**SHAPES[shape], collective_timeout_s=20)
     try:
         generate(h.url, PROMPTS[0])
         ids = h.engine._stage_ids
@@ -101,7 +118,7 @@ def test_a_killed_rank_of_the_grid_stops_the_pipeline_naming_it():
                 break
             assert time.monotonic() < deadline, "health stayed ok after a rank died"
             time.sleep(0.2)
-        assert "stage 1 TP rank 1 (rank 3) exited (code -9)" in r.text, r.text
+        assert f"pipeline {name} exited (code -9)" in r.text, r.text
         t0 = time.monotonic()
         resp = requests.post(h.url + "/generate", json={"input_ids": PROMPTS[1],
                              "sampling_params": {"max_new_tokens": 4}}, timeout=60)
@@ -111,23 +128,25 @@ def test_a_killed_rank_of_the_grid_stops_the_pipeline_naming_it():
         h.stop()
 
 
-@pytest.mark.parametrize("writer,reader", [((2, 2), (1, 1)), ((1, 1), (2, 2))],
-                         ids=["grid-to-one", "one-to-grid"])
+@pytest.mark.parametrize("writer,reader", [
+    ((2, 2, 1), (1, 1, 1)), ((1, 1, 1), (2, 2, 1)), ((2, 1, 2), (1, 1, 1)),
+    ((1, 1, 1), (2, 1, 2))], ids=["pp2xtp2-to-one", "one-to-pp2xtp2", "pp2xcp2-to-one",
+                                  "one-to-pp2xcp2"])
 def test_a_store_written_by_the_grid_serves_one_process_and_back(one_process, tmp_path, writer,
                                                                   reader):
     """Each rank's objects are its region (layers of its stage × kv-heads of its TP rank) of
     the unified layout: the grid's store is hit by one process and the reverse. The cold reader
     uses the default prefetch policy (timeout) with its stage 1 delayed; its logs agree."""
     store = dict(hicache_storage_backend="file", hicache_storage_dir=str(tmp_path / "l3"))
-    shape = lambda pp, tp: dict(pp=pp, tp=tp)               # noqa: E731
-    h = serve(**shape(*writer), hicache_storage_prefetch_policy="wait_complete", **store)
+    shape = lambda pp, tp, cp: dict(pp=pp, tp=tp, cp=cp)               # noqa: E731
+    h = serve_shape(**shape(*writer), hicache_storage_prefetch_policy="wait_complete", **store)
     try:
         assert generate(h.url, PROMPTS[0])[0] == one_process[0][0]
     finally:
         h.stop()
     logs = tmp_path / "logs"
     extra = dict(debug_transfer_delay="1:40", rank_log_dir=str(logs)) if reader[0] > 1 else {}
-    h = serve(**shape(*reader), **extra, **store)
+    h = serve_shape(**shape(*reader), **extra, **store)
     try:
         out, details = generate(h.url, PROMPTS[0])
     finally:
@@ -147,14 +166,6 @@ def test_rank_delays_parse():
     for bad, tp in (("0.2:5", 2), ("0.1:5", 1), ("0.1.1:5", 2)):
         with pytest.raises(ValueError, match="debug-transfer-delay"):
             parse_delay(bad, 2, tp)
-
-
-def test_pp_with_tp_and_cp_is_refused_in_one_line():
-    with pytest.raises(ValueError, match="--pp with --tp and --cp is not built yet"):
-        ServerConfig(pp=2, tp=2, cp=2)
-    res = CliRunner().invoke(app, ["bench", "serve", "--pp", "2", "--tp", "2", "--cp", "2"])
-    assert res.exit_code == 2 and "not built yet" in res.output
-    assert "Traceback" not in res.output and len(res.output.strip().splitlines()) == 1
 
 
 def test_without_pp_sync_the_grid_logs_show_the_ack_mismatch_first(tmp_path):
@@ -191,3 +202,10 @@ def test_bench_serve_pp2_tp2_serves_the_shared_script_and_stops_cleanly(tmp_path
     assert sorted(os.listdir(tmp_path)) == [f"rank{r}.ranklog" for r in range(4)]
     code, report = check(tmp_path)
     assert code == 0, report
+
+
+def test_a_grid_with_cp_refuses_the_memory_store_in_one_line():
+    res = CliRunner().invoke(app, ["bench", "serve", "--pp", "2", "--cp", "2",
+                                   "--hicache-storage-backend", "memory"])
+    assert res.exit_code == 2 and "memory L3 backend" in res.output, res.output
+    assert "Traceback" not in res.output

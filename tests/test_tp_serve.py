@@ -110,8 +110,6 @@ def test_tp_options_that_do_not_fit_are_refused():
         ServerConfig(tp=3)
     with pytest.raises(ValueError, match="memory L3 backend"):
         ServerConfig(tp=2, cp=2, hicache_storage_backend="memory")
-    with pytest.raises(ValueError, match="--pp with --tp and --cp"):
-        ServerConfig(tp=2, cp=2, pp=2)
     with pytest.raises(ValueError, match="1..8"):
         ServerConfig(tp=9)
     res = CliRunner().invoke(app, ["bench", "serve", "--tp", "3"])

@@ -33,6 +33,7 @@ from engine.cache.l3 import PrefetchPolicy
 from engine.parallel.pp_sync import PPSync, adjacent_groups, links_for
 from engine.runtime.model import Chunk, Model
 from engine.runtime.model.weights import ModelWeights
+from engine.runtime.pp_grid import rank_name
 from engine.runtime.scheduler.core import FinishReason, Scheduler
 from engine.runtime.scheduler.params import SamplingParams
 from engine.runtime.scheduler.request import _match_len, _Phase, _Req
@@ -136,7 +137,7 @@ class PipelineScheduler(Scheduler):
                  pp_sync: bool = True, timeout_s: float = 60.0, num_micro_batches: int = 0,
                  grid: Any = None):
         """``grid``: this rank's :class:`~engine.runtime.pp_grid.GridGroups` when every stage
-        is a TP group (``--pp K --tp N``); ``None``: one process per stage."""
+        is a TP/CP group (``--pp K --tp N --cp M``); ``None``: one process per stage."""
         super().__init__(model, cache, config)
         self.stage, self.num_stages = stage, num_stages
         self.num_micro_batches = num_micro_batches or num_stages
@@ -150,9 +151,9 @@ class PipelineScheduler(Scheduler):
             self.decider_rank = num_stages - 1
         else:                           # this TP rank's column: TP rank t of every stage
             self.column, ack_groups, self.act_groups = grid.column, grid.ack, grid.act
-            peers = grid.tp_group if self.first else None      # stage 0 agrees on the minimum
-            self.leader = self.first and grid.tp_rank == 0      # takes HTTP requests
-            self.decider = self.last and grid.tp_rank == 0      # samples for everyone
+            peers = grid.stage_group if self.first else None   # stage 0 agrees on the minimum
+            self.leader = self.first and grid.index == 0        # takes HTTP requests
+            self.decider = self.last and grid.index == 0        # samples for everyone
             self.decider_rank = grid.decider_rank
         self.sync = PPSync(links_for(stage, num_stages, ack_groups, self.column, peers),
                            enabled=pp_sync, timeout_s=timeout_s)
@@ -303,8 +304,13 @@ class PipelineScheduler(Scheduler):
                     hidden = torch.empty((n, self.model.cfg.hidden), dtype=self.model.dtype)
                     dist.recv(hidden, src=self.column[self.stage - 1],
                               group=self.act_groups[self.stage - 1])
-                out = self.model.forward(mb, self.cache.l1.buf, self.page_size, hooks,
-                                         hidden_in=hidden, hidden_out=not self.last)
+                kv = self.cache.l1.buf if self.kv_source is None else self.kv_source(mb, hooks)
+                try:                      # a CP rank reads KV through its per-layer gathers
+                    out = self.model.forward(mb, kv, self.page_size, hooks, hidden_in=hidden,
+                                             hidden_out=not self.last)
+                finally:
+                    if kv is not self.cache.l1.buf:
+                        kv.close()
                 if self.last:
                     outs.append(out)
                 else:                     # keep the tensor alive until its send completes
@@ -362,35 +368,27 @@ class PipelineScheduler(Scheduler):
 
 
 def stage_worker(rank: int, world: int, addr: str, cfg: Any, timeout_s: float) -> None:
-    """Main of a pipeline rank process (global ``rank >= 1`` of ``world = pp × tp``): join the
-    group at the rendezvous ``addr`` (HOST:PORT), build its stage (stage ``rank // tp``, TP rank
-    ``rank % tp``), serve until rank 0 says stop."""
+    """Main of a pipeline rank process (global ``rank >= 1`` of ``world = pp × tp × cp``): join
+    the group at the rendezvous ``addr`` (HOST:PORT), build its stage (stage ``rank // (tp·cp)``,
+    group rank ``rank % (tp·cp)``), serve until rank 0 says stop."""
     import torch.distributed as dist
 
     from engine.runtime.serving.runtime import Engine
 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C goes to rank 0, which stops us
-    stage, tp_rank = divmod(rank, cfg.tp)
+    stage, index = divmod(rank, cfg.ranks)
     dist.init_process_group("gloo", init_method=f"tcp://{addr}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
-    eng = Engine(cfg, stage=stage, cp_rank=tp_rank)
+    eng = Engine(cfg, stage=stage, cp_rank=index)
     try:
         eng.scheduler.serve_stage()
     except Exception as exc:  # noqa: BLE001 - one line, then exit 1 (rank 0 names the rank)
         first = str(exc).splitlines()[0][:200] if str(exc) else ""
         log.error("pipeline %s lost its group (rank 0 or another rank stopped): %s: %s",
-                  rank_name(rank, cfg.tp), type(exc).__name__, first)
+                  rank_name(rank, cfg.tp, cfg.cp), type(exc).__name__, first)
         raise SystemExit(1) from None
     finally:
         eng.stop()
         if dist.is_initialized():       # the engine of a TP rank destroys it itself
             dist.destroy_process_group()
-
-
-def rank_name(rank: int, tp: int) -> str:
-    """A pipeline rank in messages: ``stage 1``, or ``stage 1 TP rank 0 (rank 2)`` with TP."""
-    if tp == 1:
-        return f"stage {rank}"
-    stage, t = divmod(rank, tp)
-    return f"stage {stage} TP rank {t} (rank {rank})"

@@ -1,19 +1,21 @@
-"""The process grid of ``bench serve --pp K --tp N``: K pipeline stages, each a TP group of N
-processes (docs/parallelism.md, "--pp with --tp").
+"""The process grid of ``bench serve --pp K`` with ``--tp N`` and/or ``--cp M``: K pipeline
+stages, each a rank group of ``M · N`` processes laid out as ``--tp N --cp M`` is on its own
+(docs/parallelism.md, "--pp with --tp / --cp").
 
-Global rank ``g = stage · N + t``: a stage's TP ranks are consecutive. Rank 0 (stage 0, TP rank 0)
-serves HTTP and leads. What travels where:
+Global rank ``g = stage · (M·N) + r``, ``r = cp_rank · N + tp_rank``: a stage's ranks are
+consecutive. Rank 0 (stage 0, group rank 0) serves HTTP and leads. What travels where:
 
 * the step's intake: rank 0 broadcasts it to the whole world (every rank applies it);
-* inside a stage: the TP all-reduces (after the output and down projections) over the stage's TP
-  group, and the L3 agreements of the stage's :class:`~engine.parallel.tp_cache.TPCache`;
-* between stages, per *column* (TP rank t of every stage): the hidden states (after the
-  all-reduce every TP rank of a stage holds the whole hidden state, so TP rank t of stage s sends
-  it to TP rank t of stage s + 1 — no relay through a stage's TP rank 0) and the pp_sync ACK
-  counts: stage 0's TP ranks agree on the minimum over their TP group, so every column carries
-  the same counts down;
-* the decisions (tokens, logprobs): the last stage's TP rank 0 broadcasts them to the world (its
-  TP peers computed the same logits).
+* inside a stage: the TP all-reduces (after the output and down projections) over the stage's
+  TP groups, CP's per-layer KV gathers over its CP groups, and the cache agreements (transfer
+  commits outside pp_sync, L3 existence, prefetch and backup results) over the stage's group;
+* between stages, per *column* (group rank r of every stage): the hidden states (after the
+  all-reduce, and with the gathered KV, every rank of a stage holds the whole hidden state, so
+  rank r of stage s sends it to rank r of stage s + 1 — no relay through a stage's rank 0) and
+  the pp_sync ACK counts: stage 0's ranks agree on the minimum over their stage group, so every
+  column carries the same counts down;
+* the decisions (tokens, logprobs): the last stage's group rank 0 broadcasts them to the world
+  (its peers computed the same logits).
 
 Every rank creates every group in the same order (``new_group`` is collective).
 """
@@ -26,62 +28,90 @@ from typing import Any
 from engine.parallel.pp_sync import adjacent_groups
 
 
-def split(rank: int, tp: int) -> tuple[int, int]:
-    """``(stage, tp_rank)`` of global rank ``rank``."""
-    return divmod(rank, tp)
-
-
-def column(tp: int, pp: int, tp_rank: int) -> list[int]:
-    """The global ranks of TP rank ``tp_rank`` in stages 0…pp-1."""
-    return [s * tp + tp_rank for s in range(pp)]
-
-
 @dataclasses.dataclass(frozen=True)
 class GridGroups:
-    """One rank's groups: ``tp_group`` (gloo: agreements), ``reduce_group`` (the activations'
-    all-reduce; NCCL on GPUs), ``ack``/``act`` (two-member groups between adjacent stages of its
-    column, for pp_sync's threads and the hidden states)."""
+    """One rank's groups: ``stage_group`` (gloo, all ranks of its stage: agreements),
+    ``reduce_group`` (its TP group, the activations' all-reduce; NCCL on GPUs; ``None`` without
+    TP), ``cp_group`` (its CP group, the KV gather; ``None`` without CP), ``ack``/``act``
+    (two-member groups between adjacent stages of its column, for pp_sync's threads and the
+    hidden states)."""
 
     stage: int
-    tp_rank: int
-    tp: int
+    index: int          # rank within the stage: cp_rank · tp + tp_rank
     pp: int
-    tp_group: Any
+    tp: int
+    cp: int
+    stage_group: Any
     reduce_group: Any
+    cp_group: Any
     ack: list
     act: list
 
     @property
+    def ranks(self) -> int:
+        return self.tp * self.cp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.index % self.tp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.index // self.tp
+
+    @property
     def column(self) -> list[int]:
-        return column(self.tp, self.pp, self.tp_rank)
+        """The global ranks of this rank's place in stages 0…pp-1."""
+        return [s * self.ranks + self.index for s in range(self.pp)]
 
     @property
     def decider_rank(self) -> int:
-        """The global rank that samples and broadcasts the decisions: the last stage's TP
+        """The global rank that samples and broadcasts the decisions: the last stage's group
         rank 0."""
-        return (self.pp - 1) * self.tp
+        return (self.pp - 1) * self.ranks
 
 
-def grid_groups(pp: int, tp: int, rank: int, backend: str = "gloo") -> GridGroups:
+def grid_groups(pp: int, tp: int, cp: int, rank: int, backend: str = "gloo") -> GridGroups:
     """Create every group of the grid (all ranks, same order); return ``rank``'s."""
     import torch.distributed as dist
 
-    stage, tp_rank = split(rank, tp)
-    members = [[s * tp + t for t in range(tp)] for s in range(pp)]
-    tp_groups = [dist.new_group(m, backend="gloo") for m in members]
-    reduce_groups = ([dist.new_group(m, backend=backend) for m in members]
-                     if backend != "gloo" else tp_groups)
-    ack = [adjacent_groups(pp, column(tp, pp, t)) for t in range(tp)]
-    act = [adjacent_groups(pp, column(tp, pp, t)) for t in range(tp)]
-    return GridGroups(stage=stage, tp_rank=tp_rank, tp=tp, pp=pp, tp_group=tp_groups[stage],
-                      reduce_group=reduce_groups[stage], ack=ack[tp_rank], act=act[tp_rank])
+    n = tp * cp
+    stage, index = divmod(rank, n)
+    tp_rank, cp_rank = index % tp, index // tp
+    stages = [dist.new_group([s * n + i for i in range(n)], backend="gloo") for s in range(pp)]
+    reduce = cp_group = None
+    if tp > 1:
+        groups = [[dist.new_group([s * n + c * tp + t for t in range(tp)], backend=backend)
+                   for c in range(cp)] for s in range(pp)]
+        reduce = groups[stage][cp_rank]
+    if cp > 1:
+        groups = [[dist.new_group([s * n + c * tp + t for c in range(cp)], backend="gloo")
+                   for t in range(tp)] for s in range(pp)]
+        cp_group = groups[stage][tp_rank]
+    ack = [adjacent_groups(pp, [s * n + i for s in range(pp)]) for i in range(n)]
+    act = [adjacent_groups(pp, [s * n + i for s in range(pp)]) for i in range(n)]
+    return GridGroups(stage=stage, index=index, pp=pp, tp=tp, cp=cp, stage_group=stages[stage],
+                      reduce_group=reduce, cp_group=cp_group, ack=ack[index], act=act[index])
 
 
-def grid_model(model: Any, cfg: Any, rank: int, backend: str) -> tuple[Any, GridGroups]:
-    """Global rank ``rank``'s groups and its TP shard of ``model`` (all layers; the engine then
-    keeps its stage's), the all-reduce over its stage's TP group."""
+def grid_model(model: Any, cfg: Any, rank: int, backend: str | None) -> tuple[Any, GridGroups]:
+    """Global rank ``rank``'s groups and its model: its TP shard (all layers; the engine then
+    keeps its stage's) with the all-reduce over its TP group, or the whole model without TP."""
+    grid = grid_groups(cfg.pp, cfg.tp, cfg.cp, rank, backend or "gloo")
+    if cfg.tp == 1:
+        return model, grid
     from engine.runtime.model.tp import tp_model
     from engine.runtime.tp_serve import make_reduce
 
-    grid = grid_groups(cfg.pp, cfg.tp, rank, backend)
     return tp_model(model, grid.tp_rank, cfg.tp, make_reduce(backend, grid.reduce_group)), grid
+
+
+def rank_name(rank: int, tp: int = 1, cp: int = 1) -> str:
+    """A pipeline rank in messages: ``stage 1``; with TP/CP ``stage 1 TP rank 0 (rank 2)``,
+    ``stage 1 CP rank 1 (rank 3)`` or ``stage 1 TP rank 1 CP rank 0 (rank 5)``."""
+    if tp * cp == 1:
+        return f"stage {rank}"
+    stage, index = divmod(rank, tp * cp)
+    parts = ([f"TP rank {index % tp}"] if tp > 1 else []) + \
+        ([f"CP rank {index // tp}"] if cp > 1 else [])
+    return f"stage {stage} {' '.join(parts)} (rank {rank})"

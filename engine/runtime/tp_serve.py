@@ -28,9 +28,6 @@ log = logging.getLogger("hicache.tp")
 
 def check_options(cfg: Any) -> None:
     """``ValueError`` for server options ``--tp`` does not combine with (``ServerConfig``)."""
-    if cfg.pp > 1 and cfg.cp > 1:
-        raise ValueError("--pp with --tp and --cp is not built yet: use --pp with --tp, or "
-                         "--tp with --cp")
     if cfg.disaggregation is not None or cfg.speculative_num_draft_tokens:
         raise ValueError("--tp > 1 does not combine with P/D disaggregation or speculative "
                          "decoding yet")

@@ -208,7 +208,7 @@ def _serve_node(cfg, fmt: OutputFormat) -> None:
     from engine.runtime.nodes import serve_node
 
     ranks = list(node_ranks(cfg.ranks * cfg.pp, cfg.nnodes, cfg.node_rank))
-    kind = ("pipeline rank" if cfg.pp > 1 and cfg.tp > 1 else "pipeline stage" if cfg.pp > 1
+    kind = ("pipeline rank" if cfg.pp > 1 and cfg.ranks > 1 else "pipeline stage" if cfg.pp > 1
             else "TP rank" if cfg.cp == 1 else "CP rank"
             if cfg.tp == 1 else "rank")
     which = f"{kind} {ranks[0]}" if len(ranks) == 1 else f"{kind}s {ranks[0]}-{ranks[-1]}"

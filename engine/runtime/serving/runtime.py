@@ -105,9 +105,8 @@ class ServerConfig:
             from engine.runtime.tp_serve import check_options
 
             check_options(self)
-        if self.cp > 1 and (self.speculative_num_draft_tokens or self.pp > 1
-                            or self.disaggregation is not None):
-            raise ValueError("--cp > 1 does not combine with --pp, P/D disaggregation or "
+        if self.cp > 1 and (self.speculative_num_draft_tokens or self.disaggregation is not None):
+            raise ValueError("--cp > 1 does not combine with P/D disaggregation or "
                              "speculative decoding yet")
         if self.cp > 1 and self.hicache_storage_backend == "memory":
             raise ValueError(MEMORY_STORE_CP)
@@ -266,7 +265,7 @@ class Engine:
         self.device = resolve_device(cfg.device)
         backend = None                  # of the TP all-reduce
         self._restore_threads = None
-        self.grid = None                # --pp × --tp: this rank's groups (engine.runtime.pp_grid)
+        self.grid = None                # --pp with --tp/--cp: its groups (engine.runtime.pp_grid)
         world = cfg.ranks * cfg.pp
         rank = stage * cfg.ranks + cp_rank           # global: a stage's ranks are consecutive
         if cfg.tp > 1:
@@ -292,10 +291,11 @@ class Engine:
             init_group(cp_rank, cfg.ranks, cp_addr, cfg.collective_timeout_s)
         if cfg.pp > 1 and rank == 0:
             self._start_stages(cfg)
-        if cfg.tp > 1 and cfg.pp > 1:
+        if cfg.ranks > 1 and cfg.pp > 1:
             from engine.runtime.pp_grid import grid_model
 
             self.model, self.grid = grid_model(self.model, cfg, rank, backend)
+            self.cp_group = self.grid.cp_group
         elif cfg.tp > 1:
             from engine.runtime.tp_serve import shard_model
 
@@ -336,14 +336,16 @@ class Engine:
 
             self.cache = tp_cache(cache_cfg, self.model, cfg, cp_rank,
                                   events=self._event_log(cfg, stage, group_rank=cp_rank),
-                                  group=self.grid and self.grid.tp_group, stage=stage)
+                                  group=self.grid and self.grid.stage_group, stage=stage)
         elif cfg.cp > 1:
             import torch.distributed as dist
 
             from engine.parallel.cp_cache import CPCache
 
-            self.cache = CPCache(cache_cfg, cfg.cp, events=self._event_log(cfg, cp_rank=cp_rank),
-                                 rank=cp_rank, group=dist.group.WORLD)
+            self.cache = CPCache(cache_cfg, cfg.cp,
+                                 events=self._event_log(cfg, stage, group_rank=cp_rank),
+                                 rank=cp_rank, group=self.grid.stage_group if self.grid
+                                 else dist.group.WORLD)
         else:
             self.cache = HiCache(cache_cfg, events=self._event_log(cfg, stage))
         if cfg.pp > 1:
@@ -378,6 +380,11 @@ class Engine:
                 pp_sync=cfg.pp_sync, timeout_s=cfg.collective_timeout_s,
                 num_micro_batches=cfg.pp_micro_batches, grid=self.grid)
             self.scheduler.dead_stage = self.stage_health
+            if cfg.cp > 1:
+                from engine.runtime.cp_serve import sharded_source
+
+                self.scheduler.kv_source = sharded_source(self.cache, self.grid.cp_rank,
+                                                          group=self.cp_group)
         elif cfg.ranks > 1:
             from engine.runtime.cp_serve import RankScheduler, broadcast_sync, sharded_source
 
@@ -413,13 +420,10 @@ class Engine:
         return os.path.abspath(d), tmp
 
     @staticmethod
-    def _event_log(cfg: ServerConfig, stage: int = 0, cp_rank: int | None = None,
-                   group_rank: int | None = None) -> EventLog:
+    def _event_log(cfg: ServerConfig, stage: int = 0, group_rank: int | None = None) -> EventLog:
         keep = cfg.record_events or cfg.rank_log_dir is not None
         rank = RankInfo(rank=stage, world_size=cfg.pp, pp_rank=stage, pp_size=cfg.pp)
-        if cp_rank is not None:
-            rank = RankInfo(rank=cp_rank, world_size=cfg.cp, cp_rank=cp_rank, cp_size=cfg.cp)
-        if group_rank is not None:      # a TP (or TP x CP) rank: rank = cp_rank * tp + tp_rank
+        if group_rank is not None:      # a TP / CP rank: group_rank = cp_rank * tp + tp_rank
             rank = RankInfo(rank=stage * cfg.ranks + group_rank, world_size=cfg.ranks * cfg.pp,
                             tp_rank=group_rank % cfg.tp, tp_size=cfg.tp,
                             cp_rank=group_rank // cfg.tp, cp_size=cfg.cp,
@@ -558,16 +562,16 @@ class Engine:
     def stage_health(self) -> str | None:
         """Why the pipeline is unhealthy (a stage process gone), or None. A rank killed from
         outside comes before the ranks that exited (code 1) because they lost it."""
-        from engine.runtime.pipeline import rank_name
+        from engine.runtime.pp_grid import rank_name
 
         gone = sorted(((p.exitcode == 1, s, p.exitcode) for s, p in
                        zip(self._stage_ids, self.stage_procs) if not p.is_alive()))
         if gone:
             _, s, code = gone[0]
-            return f"pipeline {rank_name(s, self.cfg.tp)} exited (code {code})"
+            return f"pipeline {rank_name(s, self.cfg.tp, self.cfg.cp)} exited (code {code})"
         if self._stage_board is not None:
             board, remote = self._stage_board
-            gone = board.exits(remote, what="stage" if self.cfg.tp == 1 else "rank")
+            gone = board.exits(remote, what="stage" if self.cfg.ranks == 1 else "rank")
             if gone:
                 return f"pipeline {gone[0]}"
         return None
