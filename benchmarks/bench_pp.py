@@ -2,12 +2,13 @@
 throughput and TTFT side by side (docs/parallelism.md).
 
     .venv/bin/python benchmarks/bench_pp.py [--clients 4] [--rounds 4] [--delay 1:5]
-                                            [--micro-batches 1,2]
+                                            [--micro-batches 1,2] [--tp 2]
 
 The servers run in this process tree on this machine, one after the other, with the same L1/L2
 sizes and the same workload: --pp 1, then --pp 2 once per --micro-batches value (1: the stages
 take turns; 2 and more: a step's batch is cut so stage 0 works on micro-batch m + 1 while stage
-1 works on m). The stages share the machine's cores: on 2 cores expect little or no gain.
+1 works on m). ``--tp N``: every --pp 2 run is ``--pp 2 --tp N`` (each stage a TP group of N
+processes). The stages share the machine's cores: on 2 cores expect little or no gain.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from engine.runtime.serving import ServerConfig, start_server  # noqa: E402
 
 
 def one(pp: int, args, micro_batches: int = 0) -> dict:
-    cfg = ServerConfig(port=0, l1_tokens=args.l1_tokens, l2_tokens=4 * args.l1_tokens, pp=pp,
+    tp = args.tp if pp > 1 else 1
+    cfg = ServerConfig(port=0, l1_tokens=args.l1_tokens, l2_tokens=4 * args.l1_tokens, pp=pp, tp=tp,
                        debug_transfer_delay=args.delay if pp > 1 else None,
                        pp_micro_batches=micro_batches if pp > 1 else 0)
     h = start_server(cfg)
@@ -35,7 +37,8 @@ def one(pp: int, args, micro_batches: int = 0) -> dict:
         rep = summarize_result(run_load(wl, LoadConfig(url=h.url, concurrency=args.clients)))
     finally:
         h.stop()
-    name = f"--pp {pp}" + (f" mb {micro_batches or pp}" if pp > 1 else "")
+    name = f"--pp {pp}" + (f" --tp {tp}" if tp > 1 else "") + \
+        (f" mb {micro_batches or pp}" if pp > 1 else "")
     return {"server": name, "ok": rep["requests"]["ok"], "sent": rep["requests"]["sent"],
             "hit_rate": rep["hit_rate"]["total"], "ttft_p50_s": rep["ttft_s"]["p50"],
             "ttft_p99_s": rep["ttft_s"]["p99"],
@@ -68,6 +71,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the servers this many times, interleaved, and report medians "
                          "(a shared, loaded machine varies more between runs than servers do)")
+    ap.add_argument("--tp", type=int, default=1, help="--tp for the --pp 2 runs")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     configs = [(1, 0)] + [(2, int(m)) for m in args.micro_batches.split(",")]
@@ -76,11 +80,11 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    print(f"{'':22}" + "".join(f"{r['server']:>14}" for r in rows))
+    print(f"{'':22}" + "".join(f"{r['server']:>20}" for r in rows))
     for key in ("ok", "hit_rate", "ttft_p50_s", "ttft_p99_s", "input_tokens_per_s",
                 "output_tokens_per_s"):
         fmt = (lambda v: f"{v:.3f}") if isinstance(rows[0][key], float) else str
-        print(f"{key:22}" + "".join(f"{fmt(r[key]):>14}" for r in rows))
+        print(f"{key:22}" + "".join(f"{fmt(r[key]):>20}" for r in rows))
 
 
 if __name__ == "__main__":

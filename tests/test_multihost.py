@@ -191,11 +191,15 @@ def test_serve_on_two_nodes_equals_one_node(two_hosts, tmp_path, mode):
         assert all(w["pages"] > 0 for w in own["owners"])
 
 
-def test_four_ranks_on_two_nodes_two_each(two_hosts, tmp_path):
-    """``--tp 2 --cp 2`` over two nodes: node 0 runs ranks 0 and 1 (the leader and a local
-    follower), node 1 ranks 2 and 3; tokens equal one rank's, the four logs agree."""
+@pytest.mark.parametrize("shape,port", [(["--tp", "2", "--cp", "2"], 29534),
+                                        (["--pp", "2", "--tp", "2"], 29536)],
+                         ids=["tp2xcp2", "pp2xtp2"])
+def test_four_ranks_on_two_nodes_two_each(two_hosts, tmp_path, shape, port):
+    """``--tp 2 --cp 2`` (or ``--pp 2 --tp 2``: a stage per node) over two nodes: node 0 runs
+    ranks 0 and 1 (the leader and a local follower), node 1 ranks 2 and 3; tokens equal one
+    rank's, the four logs agree."""
     (a, dev_a), (b, dev_b) = two_hosts
-    mode = ["--tp", "2", "--cp", "2", "--nnodes", "2", "--dist-init-addr", "10.231.7.1:29534"]
+    mode = [*shape, "--nnodes", "2", "--dist-init-addr", f"10.231.7.1:{port}"]
     out = {r: tmp_path / f"n{r}" for r in (0, 1)}
     n1 = _popen(b, dev_b, "-m", "hicache_cli.app", *SERVE, *mode, "--node-rank", "1",
                 "--rank-log-dir", str(out[1]))

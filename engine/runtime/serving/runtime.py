@@ -522,29 +522,10 @@ class Engine:
         stop_server(message)
 
     def _start_stages(self, cfg: ServerConfig) -> None:
-        """Stage 0: start this node's other stages (all of them on one host; with ``--nnodes``
-        the other nodes start theirs) as processes and join the group."""
-        import datetime
+        """Rank 0: start this node's other pipeline ranks and join the group."""
+        from engine.runtime.pp_grid import start_ranks
 
-        import torch.distributed as dist
-
-        from engine.parallel.launch import RankProcesses, free_port, node_ranks
-        from engine.runtime.pipeline import stage_worker
-
-        addr = cfg.dist_init_addr or f"127.0.0.1:{free_port()}"
-        world = cfg.pp * cfg.ranks          # --pp × --tp: every rank but 0 is a process here
-        local = [s for s in node_ranks(world, cfg.nnodes, 0) if s != 0]
-        group = RankProcesses(stage_worker, local, (world, addr, cfg, cfg.collective_timeout_s),
-                              name="stage")
-        self.stage_procs = list(group.procs.values())
-        self._stage_ids = local
-        remote = [s for s in range(1, world) if s not in local]
-        if remote:                      # stages on other nodes: they post their exits
-            from engine.parallel.launch import ExitBoard
-
-            self._stage_board = (ExitBoard(addr), remote)
-        dist.init_process_group("gloo", init_method=f"tcp://{addr}", rank=0, world_size=world,
-                                timeout=datetime.timedelta(seconds=cfg.collective_timeout_s))
+        self._stage_ids, self.stage_procs, self._stage_board = start_ranks(cfg)
 
     def flush(self) -> "concurrent.futures.Future[dict]":
         """Drop every unlocked page (on every pipeline stage / TP-CP rank). Call on the
@@ -560,21 +541,10 @@ class Engine:
         return fut
 
     def stage_health(self) -> str | None:
-        """Why the pipeline is unhealthy (a stage process gone), or None. A rank killed from
-        outside comes before the ranks that exited (code 1) because they lost it."""
-        from engine.runtime.pp_grid import rank_name
+        """Why the pipeline is unhealthy (a rank process gone), or None."""
+        from engine.runtime.pp_grid import ranks_health
 
-        gone = sorted(((p.exitcode == 1, s, p.exitcode) for s, p in
-                       zip(self._stage_ids, self.stage_procs) if not p.is_alive()))
-        if gone:
-            _, s, code = gone[0]
-            return f"pipeline {rank_name(s, self.cfg.tp, self.cfg.cp)} exited (code {code})"
-        if self._stage_board is not None:
-            board, remote = self._stage_board
-            gone = board.exits(remote, what="stage" if self.cfg.ranks == 1 else "rank")
-            if gone:
-                return f"pipeline {gone[0]}"
-        return None
+        return ranks_health(self.cfg, self._stage_ids, self.stage_procs, self._stage_board)
 
     def stop(self) -> None:
         self.scheduler.stop()
