@@ -209,3 +209,29 @@ def test_a_grid_with_cp_refuses_the_memory_store_in_one_line():
                                    "--hicache-storage-backend", "memory"])
     assert res.exit_code == 2 and "memory L3 backend" in res.output, res.output
     assert "Traceback" not in res.output
+
+
+def test_bench_serve_pp2_tp2_stops_with_exit_1_naming_a_killed_rank(tmp_path):
+    """The CLI: a SIGKILLed rank of the grid stops the server, exit 1, a line naming the rank,
+    no traceback (as a CP/TP group does; the in-process test above sees /health first)."""
+    import re
+
+    from tests.test_cp_serve import _spawn
+
+    log = tmp_path / "server.err"
+    with open(log, "w") as err:
+        proc, url = _spawn("--pp", "2", "--tp", "2", "--collective-timeout", "20",
+                           "--log-level", "info", stderr=err)
+    try:
+        generate(url, PROMPTS[0])
+        pid = int(re.search(r"stage 1 TP rank 1 \(rank 3\): pid (\d+)", log.read_text()).group(1))
+        os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert proc.returncode == 1, text
+    assert "stopped: pipeline stage 1 TP rank 1 (rank 3) exited (code -9)" in text, text
+    assert "Traceback" not in text, text

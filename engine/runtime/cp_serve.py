@@ -201,17 +201,24 @@ class Followers:
 
     def watch(self, scheduler: Scheduler, on_failure: Callable[[str], None]) -> None:
         """Background: once the scheduler stops on a rank failure, report it and stop."""
-        def run():
-            while scheduler.alive or scheduler.last_error is None:
-                if scheduler._thread is None and scheduler.last_error is None:
-                    return                        # stopped normally
-                threading.Event().wait(0.2)
-            on_failure(scheduler.last_error)
-        self._watch = threading.Thread(target=run, name="hicache-cp-watch", daemon=True)
-        self._watch.start()
+        self._watch = watch_scheduler(scheduler, on_failure)
 
     def join(self, timeout: float = 10.0) -> None:
         self.procs.join(timeout)
+
+
+def watch_scheduler(scheduler: Scheduler, on_failure: Callable[[str], None]) -> threading.Thread:
+    """A background thread: once ``scheduler`` stops on an error (a rank or stage lost), call
+    ``on_failure(scheduler.last_error)``; a normal stop ends it quietly."""
+    def run():
+        while scheduler.alive or scheduler.last_error is None:
+            if scheduler._thread is None and scheduler.last_error is None:
+                return                        # stopped normally
+            threading.Event().wait(0.2)
+        on_failure(scheduler.last_error)
+    t = threading.Thread(target=run, name="hicache-rank-watch", daemon=True)
+    t.start()
+    return t
 
 
 def stop_server(message: str) -> None:

@@ -335,8 +335,10 @@ class PipelineScheduler(Scheduler):
             while not self._stopping:
                 self.step(block=True)
         except BaseException as exc:  # noqa: BLE001 - logged, then every request is failed
-            log.exception("pipeline stage %d failed", self.stage)
             first_line = str(exc).splitlines()[0][:200] if str(exc) else ""
+            log.error("pipeline stage %d failed: %s: %s", self.stage, type(exc).__name__,
+                      first_line)
+            log.debug("pipeline stage %d failed", self.stage, exc_info=True)
             gone = None
             for _ in range(30):         # a stage that died may still be exiting (or posting)
                 gone = self.dead_stage()

@@ -23,9 +23,12 @@ Every rank creates every group in the same order (``new_group`` is collective).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 from engine.parallel.pp_sync import adjacent_groups
+
+log = logging.getLogger("hicache.pipeline")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +137,8 @@ def start_ranks(cfg: Any) -> tuple[list[int], list, tuple | None]:
     local = [r for r in node_ranks(world, cfg.nnodes, 0) if r != 0]
     group = RankProcesses(stage_worker, local, (world, addr, cfg, cfg.collective_timeout_s),
                           name="stage")
+    for r, pid in group.pids().items():
+        log.info("pipeline %s: pid %d", rank_name(r, cfg.tp, cfg.cp), pid)
     remote = [r for r in range(1, world) if r not in local]
     board = (ExitBoard(addr), remote) if remote else None
     dist.init_process_group("gloo", init_method=f"tcp://{addr}", rank=0, world_size=world,

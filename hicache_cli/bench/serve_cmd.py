@@ -338,6 +338,7 @@ def _serve(cfg, fmt: OutputFormat, dump_path: Optional[Path]) -> None:
     from engine.runtime.serving import Engine, serve
 
     def ready(url: str, engine: Engine) -> None:
+        engine.stop_on_rank_failure()     # --pp: a lost stage stops the server (exit 1)
         d = engine.describe()
         if fmt is OutputFormat.json:      # one line, so a parent can read it as it comes
             sys.stdout.write(json.dumps({"url": url, **d}) + "\n")

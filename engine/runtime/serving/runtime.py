@@ -513,6 +513,14 @@ class Engine:
         if self.followers is not None:
             self.followers.watch(self.scheduler, self._rank_failed)
 
+    def stop_on_rank_failure(self) -> None:
+        """A pipeline (``--pp``) server: stop, as a CP/TP group does, once a lost rank stops
+        the pipeline (the CLI's server; an embedding process keeps running, unhealthy)."""
+        if self.cfg.pp > 1:
+            from engine.runtime.cp_serve import watch_scheduler
+
+            watch_scheduler(self.scheduler, self._rank_failed)
+
     def _rank_failed(self, message: str) -> None:
         """A CP rank died or hung: /health already says so; stop serving after a moment."""
         from engine.runtime.cp_serve import stop_server
