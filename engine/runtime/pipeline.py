@@ -13,6 +13,9 @@ own KV and a scheduler that makes the same cache decisions (docs/parallelism.md 
 
 Each stage's KV layout carries its place in the whole model (``layer_start``), so L3 objects of
 different stages never collide and a store written by one shape serves another.
+
+With ``--tp``/``--cp`` every stage is a rank group; engine.runtime.pp_grid lays out the ranks
+and their groups, and says what travels where.
 """
 
 from __future__ import annotations
@@ -149,7 +152,7 @@ class PipelineScheduler(Scheduler):
             self.act_groups = adjacent_groups(num_stages)     # hidden states (this thread)
             peers, self.leader, self.decider = None, stage == 0, self.last
             self.decider_rank = num_stages - 1
-        else:                           # this TP rank's column: TP rank t of every stage
+        else:                           # this rank's column: its place in every stage
             self.column, ack_groups, self.act_groups = grid.column, grid.ack, grid.act
             peers = grid.stage_group if self.first else None   # stage 0 agrees on the minimum
             self.leader = self.first and grid.index == 0        # takes HTTP requests
