@@ -7,6 +7,7 @@ store written by the grid serves one process and the reverse."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -187,7 +188,9 @@ def test_bench_serve_pp2_tp2_serves_the_shared_script_and_stops_cleanly(tmp_path
     from tests.test_cp_serve import _spawn
 
     one, url1 = _spawn()
-    grid, url2 = _spawn("--pp", "2", "--tp", "2", "--rank-log-dir", str(tmp_path))
+    snaps = tmp_path / "snaps"
+    grid, url2 = _spawn("--pp", "2", "--tp", "2", "--rank-log-dir", str(tmp_path),
+                        "--dump-tree-on-exit", f"{snaps}/")
     try:
         got1 = [post(url1, ids) for ids in SCRIPT]
         got2 = [post(url2, ids) for ids in SCRIPT]
@@ -199,9 +202,24 @@ def test_bench_serve_pp2_tp2_serves_the_shared_script_and_stops_cleanly(tmp_path
     assert "Traceback" not in errs[1], errs[1]
     assert got2 == got1
     assert got2[2][1]["device"] == 96 and got2[-1][1]["host"] > 0
-    assert sorted(os.listdir(tmp_path)) == [f"rank{r}.ranklog" for r in range(4)]
+    assert sorted(p for p in os.listdir(tmp_path) if p.endswith(".ranklog")) == \
+        [f"rank{r}.ranklog" for r in range(4)]
     code, report = check(tmp_path)
     assert code == 0, report
+    # every rank wrote its tree, and the four trees are the same logical tree
+    trees = []
+    for r in range(4):
+        res = CliRunner().invoke(app, ["inspect", str(snaps / f"tree-rank{r}.snapshot"),
+                                       "--format", "json"])
+        assert res.exit_code == 0, res.output
+        trees.append(json.loads(res.stdout))
+    for r, t in enumerate(trees):
+        assert (t["snapshot"]["rank"]["pp_rank"], t["snapshot"]["rank"]["tp_rank"]) == \
+            divmod(r, 2)
+        layout = t["snapshot"]["model"]["layout"]         # its layers × its kv-head
+        assert (layout["layer_start"], layout["head_start"]) == (2 * (r // 2), r % 2)
+        assert t["summary"] == trees[0]["summary"] and t["tree"] == trees[0]["tree"]
+    assert trees[0]["summary"]["nodes"] > 1
 
 
 def test_a_grid_with_cp_refuses_the_memory_store_in_one_line():

@@ -388,6 +388,10 @@ def stage_worker(rank: int, world: int, addr: str, cfg: Any, timeout_s: float) -
     eng = Engine(cfg, stage=stage, cp_rank=index)
     try:
         eng.scheduler.serve_stage()
+        if cfg.snapshot_dir is not None:     # the tree is still: rank 0 said stop
+            from engine.runtime.cp_serve import write_rank_snapshot
+
+            write_rank_snapshot(eng, cfg.snapshot_dir)
     except Exception as exc:  # noqa: BLE001 - one line, then exit 1 (rank 0 names the rank)
         first = str(exc).splitlines()[0][:200] if str(exc) else ""
         log.error("pipeline %s lost its group (rank 0 or another rank stopped): %s: %s",

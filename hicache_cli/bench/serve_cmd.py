@@ -99,7 +99,7 @@ StoreGrid = Annotated[Optional[str], _O(
 DumpOnExit = Annotated[Optional[str], _O(
     "--dump-tree-on-exit", help="Write a radix-tree snapshot (for `hicache inspect`) when the "
     "server stops: a file, or a directory (an existing one, or a path ending in /) that gets "
-    "tree-rank0.snapshot.")]
+    "tree-rank0.snapshot (with --cp/--tp/--pp: tree-rank<N>.snapshot of every rank).")]
 TokenizerDir = Annotated[Optional[Path], _O(
     "--tokenizer-dir", help="Write the model's Hugging Face tokenizer directory there "
     "(reported as tokenizer_path by /model_info); default: a temporary directory removed at "
@@ -306,7 +306,7 @@ def _server_config(o: dict):
 
 def _dump_path(dump_tree_on_exit: Optional[str], cfg) -> tuple[Optional[Path], Any]:
     """Settle (and check) the snapshot destination before serving: rank 0's file, and the
-    config with ``snapshot_dir`` set where every CP/TP rank writes one."""
+    config with ``snapshot_dir`` set where every CP/TP/PP rank writes one."""
     if dump_tree_on_exit is None:
         return None, cfg
     from engine.snapshot.take import snapshot_filename
@@ -320,12 +320,12 @@ def _dump_path(dump_tree_on_exit: Optional[str], cfg) -> tuple[Optional[Path], A
                          f"tree-rank<N>.snapshot: give a directory (an existing one or a path "
                          f"ending in /), got {dump_tree_on_exit!r}")
     if cfg.node_rank > 0 and (cfg.ranks == 1 or cfg.pp > 1):
-        raise UsageError("--dump-tree-on-exit: with --pp only stage 0 (node 0) writes a "
-                         "snapshot")
+        raise UsageError("--dump-tree-on-exit: with --pp only node 0's ranks write "
+                         "snapshots")
     try:
         if is_dir:
             check_output_dir(dump_path)
-            if cfg.ranks > 1 and cfg.pp == 1:
+            if cfg.ranks > 1 or cfg.pp > 1:     # every rank (of this node) writes one
                 cfg = dataclasses.replace(cfg, snapshot_dir=str(dump_path))
             dump_path = dump_path / snapshot_filename(0)
         check_output_file(dump_path)      # writable now, or we say so before serving

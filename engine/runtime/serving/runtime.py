@@ -94,7 +94,7 @@ class ServerConfig:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
-    snapshot_dir: str | None = None    # --cp/--tp: every rank writes tree-rank{r}.snapshot at exit
+    snapshot_dir: str | None = None    # every --cp/--tp/--pp rank writes tree-rank{r}.snapshot
 
     def __post_init__(self) -> None:
         if self.cp < 1:
