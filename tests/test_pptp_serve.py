@@ -253,3 +253,41 @@ def test_bench_serve_pp2_tp2_stops_with_exit_1_naming_a_killed_rank(tmp_path):
     assert proc.returncode == 1, text
     assert "stopped: pipeline stage 1 TP rank 1 (rank 3) exited (code -9)" in text, text
     assert "Traceback" not in text, text
+
+
+def test_bench_serve_pp2_tp2_stops_when_a_rank_hangs(tmp_path):
+    """A rank of stage 1 stopped (SIGSTOP): no silent hang. The next collective times out
+    (--collective-timeout; also the start-up rendezvous limit, hence 15 s), the request fails
+    and the server stops with exit 1, one line, no traceback."""
+    import re
+
+    import requests as rq
+
+    from tests.test_cp_serve import _spawn
+
+    log = tmp_path / "server.err"
+    with open(log, "w") as err:
+        proc, url = _spawn("--pp", "2", "--tp", "2", "--collective-timeout", "15",
+                           "--log-level", "info", stderr=err)
+    pid = int(re.search(r"stage 1 TP rank 0 \(rank 2\): pid (\d+)", log.read_text()).group(1))
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            r = rq.post(url + "/generate", timeout=90, json={
+                "input_ids": PROMPTS[2], "sampling_params": {"max_new_tokens": 2}})
+            assert r.status_code != 200, r.text            # failed, not hanging …
+        except rq.ConnectionError:
+            pass                                           # … or cut off by the shutdown
+        proc.wait(timeout=90)
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)                   # a stopped process ignores TERM
+        except ProcessLookupError:
+            pass
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert proc.returncode == 1, text
+    assert "stopped: pipeline" in text and "another rank died or hung" in text, text
+    assert "Traceback" not in text, text

@@ -153,6 +153,9 @@ def ranks_health(cfg: Any, ids: list[int], procs: list, board: tuple | None) -> 
                   if not p.is_alive())
     if gone:
         _, r, code = gone[0]
+        if code == 1:                   # it gave up on the group: the cause is elsewhere
+            return (f"pipeline {rank_name(r, cfg.tp, cfg.cp)} exited (code 1) after losing "
+                    f"its group: another rank died or hung")
         return f"pipeline {rank_name(r, cfg.tp, cfg.cp)} exited (code {code})"
     if board is not None:
         posted = board[0].exits(board[1], what="stage" if cfg.ranks == 1 else "rank")
