@@ -10,34 +10,18 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import time
 
 import requests
 from typer.testing import CliRunner
 
 from hicache_cli.app import app
-from tests.serve_client import SCRIPT, generate, prompt
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ARGS = ["--l1-tokens", "256", "--l2-tokens", "2048", "--page-size", "16", "--format", "json"]
-
-
-def _spawn(*args: str, stderr=subprocess.PIPE) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hicache_cli.app", "bench", "serve", "--port", "0", *ARGS, *args],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True,
-        env=dict(os.environ, PYTHONPATH=ROOT))
-    line = proc.stdout.readline()
-    assert line, f"server did not start: {proc.stderr.read() if proc.stderr else ''}"
-    return proc, json.loads(line)["url"]
+from tests.serve_client import SCRIPT, generate, kill_follower, prompt, spawn
 
 
 def test_cp2_server_equals_cp1_and_its_ranks_agree(tmp_path):
-    one, url1 = _spawn()
+    one, url1 = spawn()
     logs, snaps = tmp_path / "logs", tmp_path / "snaps"
-    two, url2 = _spawn("--cp", "2", "--rank-log-dir", str(logs), "--dump-tree-on-exit",
+    two, url2 = spawn("--cp", "2", "--rank-log-dir", str(logs), "--dump-tree-on-exit",
                        f"{snaps}/")
     try:
         got1 = [generate(url1, ids) for ids in SCRIPT]
@@ -85,25 +69,9 @@ def test_cp_snapshot_on_exit_needs_a_directory(tmp_path):
 def test_a_killed_rank_stops_the_server_naming_it(tmp_path):
     log = tmp_path / "server.err"
     with open(log, "w") as err:
-        proc, url = _spawn("--cp", "2", "--log-level", "info", stderr=err)
-    try:
-        assert generate(url, prompt(40, 1))[0]
-        pid = int(re.search(r"CP rank 1: pid (\d+)", log.read_text()).group(1))
-        os.kill(pid, signal.SIGKILL)
-        health = None
-        for _ in range(100):
-            try:
-                h = requests.get(url + "/health", timeout=2)
-            except requests.ConnectionError:
-                break                                   # already gone
-            if h.status_code == 503:
-                health = h.text
-                break
-            time.sleep(0.1)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        proc, url = spawn("--cp", "2", "--log-level", "info", stderr=err)
+    assert generate(url, prompt(40, 1))[0]
+    health = kill_follower(proc, url, log, "CP rank 1")
     text = log.read_text()
     assert proc.returncode == 1                        # a failure, not a clean stop
     assert "stopped: rank 1 exited" in text and "Traceback" not in text
@@ -114,7 +82,7 @@ def test_bench_run_against_cp2_leaves_consistent_rank_logs(tmp_path):
     """The load generator (concurrent multi-turn clients, a device pool smaller than the
     conversations) against ``--cp 2``: both ranks' logs of the run agree."""
     logs = tmp_path / "logs"
-    proc, url = _spawn("--cp", "2", "--rank-log-dir", str(logs))
+    proc, url = spawn("--cp", "2", "--rank-log-dir", str(logs))
     try:
         res = CliRunner().invoke(app, ["bench", "run", "--url", url, "--num-clients", "4",
                                        "--num-rounds", "3", "--request-length", "48",

@@ -185,7 +185,7 @@ def test_bench_serve_pp2_tp2_serves_the_shared_script_and_stops_cleanly(tmp_path
     hit, host restore); Ctrl-C stops all four processes, exit 0, no traceback."""
     from tests.serve_client import SCRIPT
     from tests.serve_client import generate as post
-    from tests.test_cp_serve import _spawn
+    from tests.serve_client import spawn as _spawn
 
     one, url1 = _spawn()
     snaps = tmp_path / "snaps"
@@ -234,7 +234,7 @@ def test_bench_serve_pp2_tp2_stops_with_exit_1_naming_a_killed_rank(tmp_path):
     no traceback (as a CP/TP group does; the in-process test above sees /health first)."""
     import re
 
-    from tests.test_cp_serve import _spawn
+    from tests.serve_client import spawn as _spawn
 
     log = tmp_path / "server.err"
     with open(log, "w") as err:
@@ -263,7 +263,7 @@ def test_bench_serve_pp2_tp2_stops_when_a_rank_hangs(tmp_path):
 
     import requests as rq
 
-    from tests.test_cp_serve import _spawn
+    from tests.serve_client import spawn as _spawn
 
     log = tmp_path / "server.err"
     with open(log, "w") as err:

@@ -5,30 +5,22 @@ policy really ran past its warm-up and filtered new prefixes."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 
 import pytest
 import requests
 
-from tests.serve_client import SCRIPT, generate, prompt
+from tests.serve_client import SCRIPT, generate, prompt, spawn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _spawn(policy: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hicache_cli.app", "bench", "serve", "--port", "0",
-         "--l1-tokens", "256", "--l2-tokens", "1024", "--page-size", "16", "--format", "json",
-         "--eviction-policy", policy],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=dict(os.environ, PYTHONPATH=ROOT))
-    line = proc.stdout.readline()
-    assert line, f"server did not start: {proc.stderr.read()}"
-    return proc, json.loads(line)["url"]
+    return spawn("--eviction-policy", policy,
+                 base=["--l1-tokens", "256", "--l2-tokens", "1024", "--page-size", "16",
+                       "--format", "json"])
 
 
 def _traffic() -> list[list[int]]:

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import time
 
 import pytest
 import requests
@@ -21,8 +20,7 @@ from typer.testing import CliRunner
 from engine.runtime.model import preset
 from engine.runtime.serving import ServerConfig
 from hicache_cli.app import app
-from tests.serve_client import SCRIPT, generate, prompt
-from tests.test_cp_serve import _spawn
+from tests.serve_client import SCRIPT, generate, kill_follower, prompt, spawn
 
 
 def _kv_bytes(metrics: str) -> dict:
@@ -37,7 +35,7 @@ def _used(metrics: str, tier: str) -> int:
 
 @pytest.fixture(scope="module")
 def one_rank():
-    proc, url = _spawn()
+    proc, url = spawn()
     try:
         return [generate(url, ids) for ids in SCRIPT]
     finally:
@@ -49,7 +47,7 @@ def one_rank():
 @pytest.mark.parametrize("shape", [("--tp", "2"), ("--tp", "2", "--cp", "2")],
                          ids=["tp2", "tp2xcp2"])
 def test_tp_server_equals_one_rank_and_its_ranks_agree(one_rank, tmp_path, shape):
-    proc, url = _spawn(*shape, "--rank-log-dir", str(tmp_path))
+    proc, url = spawn(*shape, "--rank-log-dir", str(tmp_path))
     try:
         got = [generate(url, ids) for ids in SCRIPT]
         metrics = requests.get(url + "/metrics", timeout=10).text
@@ -80,25 +78,9 @@ def test_tp_server_equals_one_rank_and_its_ranks_agree(one_rank, tmp_path, shape
 def test_a_killed_tp_rank_stops_the_server_naming_it(tmp_path):
     log = tmp_path / "server.err"
     with open(log, "w") as err:
-        proc, url = _spawn("--tp", "2", "--log-level", "info", stderr=err)
-    try:
-        assert generate(url, prompt(40, 1))[0]
-        pid = int(re.search(r"TP rank 1: pid (\d+)", log.read_text()).group(1))
-        os.kill(pid, signal.SIGKILL)
-        health = None
-        for _ in range(100):
-            try:
-                h = requests.get(url + "/health", timeout=2)
-            except requests.ConnectionError:
-                break                                   # already gone
-            if h.status_code == 503:
-                health = h.text
-                break
-            time.sleep(0.1)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        proc, url = spawn("--tp", "2", "--log-level", "info", stderr=err)
+    assert generate(url, prompt(40, 1))[0]
+    health = kill_follower(proc, url, log, "TP rank 1")
     text = log.read_text()
     assert proc.returncode == 1                        # a failure, not a clean stop
     assert "stopped: rank 1 exited" in text and "Traceback" not in text
@@ -122,7 +104,7 @@ def test_a_hung_tp_rank_stops_the_server_after_the_collective_timeout(tmp_path):
     fails and the server stops with exit 1, no hang."""
     log = tmp_path / "server.err"
     with open(log, "w") as err:
-        proc, url = _spawn("--tp", "2", "--log-level", "info", "--collective-timeout", "15",
+        proc, url = spawn("--tp", "2", "--log-level", "info", "--collective-timeout", "15",
                            stderr=err)
     pid = int(re.search(r"TP rank 1: pid (\d+)", log.read_text()).group(1))
     try:

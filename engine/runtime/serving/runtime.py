@@ -1,9 +1,9 @@
-"""Server configuration and the engine it serves: model + tokenizer + cache + scheduler."""
+"""The engine a server runs: model + tokenizer + cache + scheduler (its configuration,
+``ServerConfig``, is in engine/runtime/serving/config.py and re-exported here)."""
 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import math
 import os
@@ -13,236 +13,15 @@ import time
 from typing import Any
 
 from engine.cache.events import EventLog, RankInfo
-from engine.cache.facade import CacheConfig, HiCache, WritePolicy
-from engine.cache.policy import policy_names
-from engine.cache.pool import HostLayout
+from engine.cache.facade import CacheConfig, HiCache
 from engine.core.device import resolve_device
 from engine.runtime.model import Model, load_model
 from engine.runtime.scheduler import Scheduler, SchedulerConfig
+from engine.runtime.serving.config import MEMORY_SHARE, MEMORY_STORE_CP, ServerConfig  # noqa: F401
 from engine.runtime.serving.model_id import model_tag, model_tokenizer
 from engine.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("hicache.server")
-
-MEMORY_STORE_CP = ("--cp with the memory L3 backend: a memory store lives in one process and "
-                   "each CP rank is one; use file or mooncake")
-MEMORY_SHARE = 0.9      # of the memory available at start, the KV pools may take at most this
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerConfig:
-    """Everything ``hicache bench serve`` accepts. Tier sizes are tokens.
-
-    L2 size: ``l2_tokens`` when given (0 = no L2); else ``hicache_size_gb`` (GB of host memory)
-    when > 0; else ``hicache_ratio`` × ``l1_tokens`` (SGLang's meaning of the two options).
-    """
-
-    host: str = "127.0.0.1"
-    port: int = 30000
-    device: str = "auto"
-    model: str = "tiny"
-    seed: int | None = None
-    page_size: int = 16
-    l1_tokens: int = 16384
-    l2_tokens: int | None = None
-    hicache_ratio: float = 2.0
-    hicache_size_gb: float = 0.0
-    write_policy: str = "write_through"
-    write_through_threshold: int = 2
-    host_layout: str = "layer_first"
-    eviction_policy: str = "lru"
-    disable_radix_cache: bool = False
-    max_running_requests: int = 64
-    chunked_prefill_size: int = 512
-    exact: bool | None = None          # batch-invariant kernels (default: on CPU)
-    record_events: bool = False        # keep the cache's event log in memory
-    # L3 (SGLang's names): backend None = no L3
-    hicache_storage_backend: str | None = None       # file | mooncake | memory
-    hicache_storage_dir: str | None = None           # file: directory (default: a temp dir)
-    hicache_storage_backend_config: str | None = None  # JSON file (file/mooncake settings)
-    hicache_storage_size_limit: str | None = None    # file: e.g. "20GiB" (LRU beyond it)
-    hicache_storage_prefetch_policy: str = "timeout"  # best_effort | wait_complete | timeout
-    hicache_storage_prefetch_timeout: float = 2.0    # seconds, for "timeout"
-    hicache_storage_layout: str = "unified"          # unified | legacy (per-rank keys)
-    hicache_storage_grid: str | None = None          # unified: "layers=N,heads=N" / "tp=N,pp=N"
-    rank_log_dir: str | None = None    # write this rank's event log there on shutdown
-    inject_divergence: str | None = None  # debug: break this rank's decisions (engine.parallel.divergence)
-    tokenizer_dir: str | None = None   # where to export the preset's HF tokenizer (default: temp)
-    served_model_name: str | None = None  # the model id clients see (default: the model's name)
-    weight_version: str = "default"    # reported as SGLang reports it
-    # speculative decoding (docs/speculative.md): 0 draft tokens = off
-    speculative_num_draft_tokens: int = 0
-    speculative_draft_preset: str = "mirror"
-    hicache_draft_layout: str = "packed"   # packed | sidecar
-    debug_skip_draft_restore: bool = False  # debug: restored prefixes lose their draft KV
-    # P/D disaggregation (engine.runtime.pd, docs/pd.md): None | pd | prefill | decode
-    disaggregation: str | None = None
-    pd_addr: str = "127.0.0.1:0"       # where the prefill worker's link listens (0: pick one)
-    pd_decode_reuse: bool = True       # decode matches its own cache before asking prefill
-    pd_transfer_timeout: float = 30.0  # seconds a request waits for its KV on the link
-    pd_inject_fault: str | None = None  # debug: die-after-layers:N | delay:S (prefill worker)
-    # pipeline parallelism (docs/parallelism.md §2): stage processes, pp_sync, debug delays
-    pp: int = 1
-    pp_sync: bool = True                   # debug: False lets each stage consume what it has
-    pp_micro_batches: int = 0              # micro-batches per step (0: one per stage)
-    debug_transfer_delay: str | None = None  # "STAGE[.TP]:MS[,...]": slow a stage's copies
-    collective_timeout_s: float = 60.0     # a stage silent this long stops the server
-    cp: int = 1                        # context-parallel ranks (one process each; KV sharded)
-    tp: int = 1                        # tensor-parallel ranks (one process each; heads sharded)
-    # multi-host, as in SGLang: the --cp/--tp/--pp ranks spread evenly over nnodes hosts; node 0
-    # serves HTTP and hosts the rendezvous dist_init_addr (HOST:PORT); None: a local one
-    nnodes: int = 1
-    node_rank: int = 0
-    dist_init_addr: str | None = None
-    snapshot_dir: str | None = None    # every --cp/--tp/--pp rank writes tree-rank{r}.snapshot
-
-    def __post_init__(self) -> None:
-        if self.cp < 1:
-            raise ValueError(f"--cp must be >= 1, got {self.cp}")
-        if not 1 <= self.tp <= 8:
-            raise ValueError(f"--tp must be 1..8, got {self.tp}")
-        if self.tp > 1:
-            from engine.runtime.tp_serve import check_options
-
-            check_options(self)
-        if self.cp > 1 and (self.speculative_num_draft_tokens or self.disaggregation is not None):
-            raise ValueError("--cp > 1 does not combine with P/D disaggregation or "
-                             "speculative decoding yet")
-        if self.cp > 1 and self.hicache_storage_backend == "memory":
-            raise ValueError(MEMORY_STORE_CP)
-        if self.page_size < 1:
-            raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
-        if self.l1_tokens < self.page_size:
-            raise ValueError(f"--l1-tokens must hold at least one page ({self.page_size})")
-        if self.l2_tokens is not None and self.l2_tokens < 0:
-            raise ValueError("--l2-tokens must be >= 0")
-        for opt, v in (("--hicache-ratio", self.hicache_ratio),
-                       ("--hicache-size", self.hicache_size_gb),
-                       ("--hicache-storage-prefetch-timeout",
-                        self.hicache_storage_prefetch_timeout)):
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-                raise ValueError(f"{opt} must be a finite number >= 0, got {v}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
-        WritePolicy.parse(self.write_policy)
-        HostLayout.parse(self.host_layout)
-        if self.eviction_policy not in policy_names():
-            raise ValueError(f"unknown eviction policy {self.eviction_policy!r}; choose one of "
-                             f"{policy_names()}")
-        SchedulerConfig(self.max_running_requests, self.chunked_prefill_size)
-        if self.hicache_storage_backend is not None:
-            from engine.storage import BackendKind
-
-            BackendKind.parse(self.hicache_storage_backend)
-        from engine.cache.l3 import PrefetchPolicy
-
-        PrefetchPolicy.parse(self.hicache_storage_prefetch_policy)
-        if self.hicache_storage_prefetch_timeout < 0:
-            raise ValueError("--hicache-storage-prefetch-timeout must be >= 0")
-        from engine.storage.placement import StorageLayout, check_grid_spec
-
-        if StorageLayout.parse(self.hicache_storage_layout) is StorageLayout.LEGACY and \
-                self.hicache_storage_grid is not None:
-            raise ValueError("--hicache-storage-grid applies to the unified layout only")
-        check_grid_spec(self.hicache_storage_grid)
-        self.spec_config()
-        if self.disaggregation is not None:
-            from engine.runtime.pd.serve import check_options
-
-            check_options(self)
-        if not 1 <= self.pp <= 8:
-            raise ValueError(f"--pp must be 1..8, got {self.pp}")
-        if self.pp > 1:
-            from engine.runtime.pipeline import parse_delay
-
-            parse_delay(self.debug_transfer_delay, self.pp, self.tp)
-            if not 0 <= self.pp_micro_batches <= 64:
-                raise ValueError(f"--pp-micro-batches must be 0..64 (0: one per stage), got "
-                                 f"{self.pp_micro_batches}")
-            if self.speculative_num_draft_tokens:
-                raise ValueError("--pp cannot be combined with speculative decoding yet")
-            if self.disaggregation is not None:
-                raise ValueError("--pp cannot be combined with --disaggregation yet")
-        elif self.debug_transfer_delay:
-            raise ValueError("--debug-transfer-delay needs --pp 2 or more")
-        elif self.pp_micro_batches:
-            raise ValueError("--pp-micro-batches needs --pp 2 or more")
-        self._check_nodes()
-        if not (math.isfinite(self.collective_timeout_s) and self.collective_timeout_s > 0):
-            raise ValueError("--collective-timeout must be a finite number > 0")
-        if self.inject_divergence:
-            from engine.parallel.divergence import parse_spec
-
-            parse_spec(self.inject_divergence)
-
-    @property
-    def ranks(self) -> int:
-        """Processes of the CP or TP group (1: a single process)."""
-        return self.cp * self.tp
-
-    def _check_nodes(self) -> None:
-        from engine.parallel.launch import check_nodes
-
-        world = self.ranks * self.pp
-        if self.nnodes > 1 and world == 1:
-            raise ValueError("--nnodes > 1 needs ranks to spread: --cp, --tp or --pp > 1")
-        parts = [f"--{k} {v}" for k, v in (("tp", self.tp), ("cp", self.cp), ("pp", self.pp))
-                 if v > 1]
-        what = " ".join(parts) + (f" ({world})" if len(parts) > 1 else "")
-        check_nodes(world, self.nnodes, self.node_rank, self.dist_init_addr, what)
-
-    def spec_config(self) -> Any:
-        """The speculative-decoding settings, or None when off (checks the options)."""
-        from engine.runtime.model.draft import draft_preset
-        from engine.runtime.scheduler.spec import DraftLayout, SpecConfig
-
-        n = self.speculative_num_draft_tokens
-        if not 0 <= n <= 16:
-            raise ValueError(f"--speculative-num-draft-tokens must be 0..16, got {n}")
-        draft_preset(self.speculative_draft_preset)
-        layout = DraftLayout.parse(self.hicache_draft_layout)
-        if n == 0:
-            return None
-        if layout is DraftLayout.SIDECAR and self.hicache_storage_grid is not None:
-            raise ValueError("--hicache-storage-grid cannot be combined with --hicache-draft-"
-                             "layout sidecar (the draft's objects get a grid of their own)")
-        return SpecConfig(num_draft_tokens=n, draft_preset=self.speculative_draft_preset,
-                          draft_layout=layout.value,
-                          debug_skip_draft_restore=self.debug_skip_draft_restore)
-
-    def check_memory(self, token_bytes: int, l2_tokens: int, device: str) -> None:
-        """:class:`UsageError` naming the option when the L1 pool (on ``device``) or
-        the L2 pool (host memory) cannot be allocated here, with what would fit."""
-        from engine.core.device import available_memory, bytes_text
-        from engine.core.errors import UsageError
-
-        host = available_memory("cpu")
-        dev = host if device == "cpu" else available_memory(device)
-        l1_bytes, l2_bytes = self.l1_tokens * token_bytes, l2_tokens * token_bytes
-        if l1_bytes > dev * MEMORY_SHARE:
-            fit = int(dev * MEMORY_SHARE // token_bytes)
-            raise UsageError(f"--l1-tokens {self.l1_tokens:,} needs {bytes_text(l1_bytes)} of "
-                             f"KV memory on {device}; {bytes_text(dev)} is available: at most "
-                             f"about {fit - fit % self.page_size:,} tokens fit")
-        room = host * MEMORY_SHARE - (l1_bytes if device == "cpu" else 0)
-        if l2_bytes > room:
-            opt = ("--l2-tokens" if self.l2_tokens is not None else "--hicache-size"
-                   if self.hicache_size_gb > 0 else "--hicache-ratio")
-            fit = max(int(room // token_bytes), 0)
-            raise UsageError(f"{opt}: an L2 of {l2_tokens:,} tokens needs "
-                             f"{bytes_text(l2_bytes)} of host memory; {bytes_text(host)} is "
-                             f"available{' beside L1' if device == 'cpu' else ''}: at most "
-                             f"about {fit - fit % self.page_size:,} tokens of L2 fit")
-
-    def l2_tokens_for(self, token_bytes: int) -> int:
-        """Resolved L2 size in tokens (a multiple of the page size)."""
-        if self.l2_tokens is not None:
-            n = self.l2_tokens
-        elif self.hicache_size_gb > 0:
-            n = int(self.hicache_size_gb * 1e9 // token_bytes)
-        else:
-            n = int(self.hicache_ratio * self.l1_tokens)
-        return n - n % self.page_size
 
 
 class Engine:
@@ -488,7 +267,6 @@ class Engine:
     def _sidecar_store(self, store, cfg: ServerConfig):
         """Sidecar draft layout: a second store for the draft's pool, on the same backend, its
         objects cut at a grid that fits the draft's layer range (gcd of target and draft)."""
-        import math
 
         from engine.cache.sidecar import PairedStore
         from engine.storage import L3Store
