@@ -29,7 +29,11 @@ of ``--repeat`` is reported, with the per-pair ratios (a copy and a conversion r
 as the noise indicator. Speed is source bytes per second; the ratio is convert / copy speed.
 
     .venv/bin/python benchmarks/bench_convert.py [--gb 2] [--dir DIR] [--repeat 2] [--json]
-        [--settle 300] [--workers N]
+        [--settle 300] [--workers N] [--only 3]
+
+``--only N[,N...]`` times only those steps (1-4); the steps before them are run once, untimed,
+to make their sources, and nothing is deleted before the timed steps (so no settling is
+needed there). ``--only 3`` times the head cut alone.
 """
 
 from __future__ import annotations
@@ -139,8 +143,16 @@ def main() -> None:
                     help="seconds to wait after deleting, before timing (default 300)")
     ap.add_argument("--workers", type=int, default=None,
                     help="convert-layout worker threads (default: its own default)")
+    ap.add_argument("--only", default=None,
+                    help="time only these steps, e.g. 3 or 1,3 (default: all four)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    try:
+        only = sorted({int(x) for x in a.only.split(",")}) if a.only else [1, 2, 3, 4]
+        if not all(1 <= x <= len(STEPS) for x in only):
+            raise ValueError
+    except ValueError:
+        ap.error(f"--only takes step numbers 1-{len(STEPS)}, comma-separated")
     work = tempfile.mkdtemp(prefix="bench-convert-", dir=a.dir)
     try:
         free = shutil.disk_usage(work).free
@@ -154,22 +166,28 @@ def main() -> None:
         print(f"source: legacy tp=2, {nbytes / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s",
               file=sys.stderr)
         settle([], a.settle)
-        rows = [step(i, name, to, os.path.join(work, f"s{i}"), work, a)
-                for i, (name, to) in enumerate(STEPS)]
+        rows = []
+        for i, (name, to) in enumerate(STEPS[:only[-1]]):
+            src = os.path.join(work, f"s{i}")
+            if i + 1 in only:
+                rows.append(step(i, name, to, src, work, a, last=i + 1 == only[-1]))
+            else:                       # untimed: only the next step's source
+                time_convert(src, os.path.join(work, f"s{i + 1}"), to, a.workers)
         if a.json:
-            print(json.dumps({"cpus": os.cpu_count(), "workers": a.workers, "rows": rows},
-                             indent=2))
+            print(json.dumps({"cpus": os.cpu_count(), "workers": a.workers,
+                              "load_avg": load(), "rows": rows}, indent=2))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def step(i: int, name: str, to: str, src: str, work: str, a) -> dict:
+def step(i: int, name: str, to: str, src: str, work: str, a, last: bool) -> dict:
     """Time ``--repeat`` pairs of (cp -r, convert) of ``src``; keeps the last conversion as the
     next step's source and deletes everything else."""
     copies: list[float] = []
     convs: list[tuple[float, dict]] = []
     outs: list[str] = []
     load_before = load()
+    pair_load: list[float] = []       # 1-minute load average after each pair
     for r in range(a.repeat):
         for which in (("copy", "convert") if r % 2 == 0 else ("convert", "copy")):
             out = os.path.join(work, f"s{i}-{which}{r}")
@@ -178,6 +196,7 @@ def step(i: int, name: str, to: str, src: str, work: str, a) -> dict:
                 copies.append(time_copy(src, out))
             else:
                 convs.append(time_convert(src, out, to, a.workers))
+        pair_load.append(load()[0])
     info = convs[-1][1]
     best_copy, best_conv = min(copies), min(t for t, _ in convs)
     src_bytes = info["bytes_in"]
@@ -188,7 +207,7 @@ def step(i: int, name: str, to: str, src: str, work: str, a) -> dict:
            "copy_gbps": round(src_bytes / best_copy / 1e9, 3),
            "convert_gbps": round(src_bytes / best_conv / 1e9, 3),
            "ratio": round(best_copy / best_conv, 3),
-           "pair_ratios": pairs,
+           "pair_ratios": pairs, "pair_load_avg": pair_load,
            "median_pair_ratio": round(statistics.median(pairs), 3),
            "kernel_copied_bytes": info["kernel_copied_bytes"],
            "all_copy_s": [round(t, 3) for t in copies],
@@ -198,12 +217,14 @@ def step(i: int, name: str, to: str, src: str, work: str, a) -> dict:
     print(f"{name:46s} {src_bytes / 1e9:5.2f} GB  {info['objects_in']:6d} -> "
           f"{info['objects_out']:6d} objects  kernel-copied {kernel:4.0%}  copy "
           f"{row['copy_gbps']:.2f} GB/s  convert {row['convert_gbps']:.2f} GB/s  "
-          f"ratio {row['ratio']:.2f}  pairs {' / '.join(f'{x:.2f}' for x in pairs)}  "
+          f"ratio {row['ratio']:.2f}  pairs {' / '.join(f'{x:.2f}' for x in pairs)} (load "
+          f"{' / '.join(f'{x:.1f}' for x in pair_load)})  "
           f"load {row['load_avg_before'][0]:.1f}-{row['load_avg_after'][0]:.1f}",
           file=sys.stderr)
     keep = [o for o in outs if "-convert" in os.path.basename(o)][-1]
     os.rename(keep, os.path.join(work, f"s{i + 1}"))
-    settle([src, *[o for o in outs if o != keep]], a.settle if i + 1 < len(STEPS) else 0)
+    if not last:
+        settle([src, *[o for o in outs if o != keep]], a.settle)
     return row
 
 

@@ -38,7 +38,16 @@ import numpy as np
 from engine.core.errors import InputError, StorageError
 from engine.core.layout import KVLayout
 from engine.storage.backend import FileRange
-from engine.storage.convert_io import Buffers, Source, byte_runs, cut, fresh, holds, read_source
+from engine.storage.convert_io import (
+    Buffers,
+    Recipe,
+    Source,
+    apply_cut,
+    fresh,
+    holds,
+    read_source,
+    recipes,
+)
 from engine.storage.endpoints import Endpoint, FileEndpoint
 from engine.storage.keys import object_key
 from engine.storage.placement import KVOrder, Placement, Tile, describe_object, span
@@ -323,6 +332,8 @@ class _Converter:
         # the kernel (copy_file_range) instead of written from user memory.
         self.ranges = isinstance(src, FileEndpoint) and self.file_dst
         self._local = threading.local()
+        self._geometry: dict[tuple, list[Recipe | None]] = {}
+        self._suffixes = [t.suffix for t in p.tiles]
 
     # -- driving -------------------------------------------------------------------------------
     def threaded(self, workers: int, progress) -> None:
@@ -418,32 +429,49 @@ class _Converter:
                 counts["read_corrupt"] += 1
             else:
                 srcs.append(s)
-        mask = _covered([s.obj for s in srcs], p.model)
-        for i in p.out[ph]:
-            t = p.tiles[i]
-            if not mask[t.layers[0]:t.layers[1], t.heads[0]:t.heads[1]].all():
+        hexph = ph.hex()
+        for r in self._recipes(srcs, p.out[ph]):
+            if r is None:
                 counts["not_produced"] += 1
                 continue
-            runs = byte_runs(t, srcs) if self.ranges else None
-            if runs:
-                pieces = [s.payload[a:a + n] for s, a, n in runs]
-                whole = len(runs) == 1 and len(pieces[0]) == len(runs[0][0].payload)
-                psum = runs[0][0].checksum if whole else checksum_parts(pieces)
-                body = [FileRange(s.fd, s.header_len + a, n) for s, a, n in runs]
+            t, key = p.tiles[r.index], f"{hexph}.{self._suffixes[r.index]}"
+            if r.runs:
+                pieces = [srcs[i].payload[a:a + n] for i, a, n in r.runs]
+                psum = srcs[r.runs[0][0]].checksum if r.whole else checksum_parts(pieces)
+                body = [FileRange(srcs[i].fd, srcs[i].header_len + a, n) for i, a, n in r.runs]
+            elif r.copies:              # header and payload in one buffer: one write
+                codec = p.codecs[r.index]
+                payload = apply_cut(r, t, srcs, p.target_order, take, codec.header_len)
+                pieces, whole = [payload], payload.base
+                head = memoryview(whole)[:codec.header_len]
+                codec.encode_header_into(head, ph, payload, checksum_parts(pieces))
+                if key in p.present:
+                    self._same(key, head, pieces)
+                    counts["skipped_present"] += 1
+                else:
+                    w.outs.append(_Out(key, [whole], head, pieces, len(whole)))
+                continue
             else:
-                payload = cut(t, srcs, p.target_order, take)
-                pieces = body = [payload]
+                pieces = body = [apply_cut(r, t, srcs, p.target_order, take)]
                 psum = checksum_parts(pieces)
-            header = p.codecs[i].header_for(ph, t.payload_len, psum)
-            key = object_key(ph, t.suffix)
+            header = p.codecs[r.index].header_for(ph, t.payload_len, psum)
             if key in p.present:
                 self._same(key, header, pieces)
                 counts["skipped_present"] += 1
                 continue
-            if runs:
+            if r.runs:
                 counts["kernel_copied_bytes"] += t.payload_len
             w.outs.append(_Out(key, [header, *body], header, pieces,
                                len(header) + t.payload_len))
+
+    def _recipes(self, srcs: list[Source], wanted: list[int]) -> list[Recipe | None]:
+        """The page's recipes: worked out once per (source rectangles, wanted tiles)."""
+        sig = (tuple((s.obj.region, s.obj.order) for s in srcs), tuple(wanted))
+        got = self._geometry.get(sig)
+        if got is None:
+            got = self._geometry[sig] = recipes(self.p.tiles, wanted, srcs,
+                                                self.p.target_order, self.ranges)
+        return got
 
     def _written(self, w: _Page, outs: list[_Out], oks: list[bool]) -> None:
         """Count what the destination took; verify it; a refusal becomes ``w.error``."""

@@ -144,28 +144,93 @@ def byte_runs(tile: Tile, srcs: list[Source]) -> list[tuple[Source, int, int]] |
     return out
 
 
-def cut(tile: Tile, srcs: list[Source], order: KVOrder, take) -> np.ndarray:
-    """The tile's payload (flat bytes): a view of one source when that one holds it in the
-    target's byte order already, else assembled into a buffer from ``take``."""
-    (tl0, tl1), (th0, th1) = tile.layers, tile.heads
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How one target object is made from a page's sound sources, named by their position in
+    the page's list: worked out once per (source rectangles, target grid), applied per page.
+
+    ``runs``: ``(position, offset, length)`` byte runs of source payloads, copied by the kernel
+    (``whole``: one run that is a source's whole payload, whose checksum is reused). Else
+    ``view``: ``(position, row slices)`` of one source that already holds the payload in the
+    target's byte order. Else ``copies``: ``(position, source row slices, target row slices)``
+    assembled into a buffer."""
+
+    index: int                     # the tile's index in the plan
+    runs: tuple = ()
+    whole: bool = False
+    view: tuple | None = None
+    copies: tuple = ()
+
+
+def recipes(tiles: list[Tile], wanted: list[int], srcs: list[Source], order: KVOrder,
+            ranges: bool) -> list[Recipe | None]:
+    """A recipe per wanted tile, None for a tile the sources do not cover whole."""
+    model = tiles[0].layout.whole()
+    mask = np.zeros((model.num_layers, model.kv_heads), dtype=bool)
     for s in srcs:
         (l0, l1), (h0, h1) = span(s.obj.region)
+        mask[l0:l1, h0:h1] = True
+    pos = {id(s): i for i, s in enumerate(srcs)}
+    out: list[Recipe | None] = []
+    for i in wanted:
+        t = tiles[i]
+        if not mask[t.layers[0]:t.layers[1], t.heads[0]:t.heads[1]].all():
+            out.append(None)
+            continue
+        runs = byte_runs(t, srcs) if ranges else None
+        if runs:
+            whole = len(runs) == 1 and runs[0][2] == len(runs[0][0].payload)
+            out.append(Recipe(i, tuple((pos[id(s)], a, n) for s, a, n in runs), whole))
+            continue
+        out.append(_cut_recipe(i, t, srcs, order))
+    return out
+
+
+def _cut_recipe(i: int, tile: Tile, srcs: list[Source], order: KVOrder) -> Recipe:
+    (tl0, tl1), (th0, th1) = tile.layers, tile.heads
+    for p, s in enumerate(srcs):
+        (l0, l1), (h0, h1) = span(s.obj.region)
         if l0 <= tl0 and tl1 <= l1 and h0 <= th0 and th1 <= h1:
-            v = s.rows[tl0 - l0:tl1 - l0, :, :, th0 - h0:th1 - h0]
+            sl = (slice(tl0 - l0, tl1 - l0), slice(None), slice(None), slice(th0 - h0, th1 - h0))
+            v = s.rows[sl]
             phys = v if order is KVOrder.LAYER_FIRST else v.transpose(2, 0, 1, 3)
             if phys.flags.c_contiguous:
-                return phys.reshape(-1).view(np.uint8)
+                return Recipe(i, view=(p, sl))
             break
-    lay = tile.layout
-    out = take(lay.page_bytes)
-    dest = rows_of(out, lay, order)
-    for s in srcs:
+    copies = []
+    for p, s in enumerate(srcs):
         (l0, l1), (h0, h1) = span(s.obj.region)
         a0, a1, b0, b1 = max(l0, tl0), min(l1, tl1), max(h0, th0), min(h1, th1)
         if a0 < a1 and b0 < b1:
-            dest[a0 - tl0:a1 - tl0, :, :, b0 - th0:b1 - th0] = \
-                s.rows[a0 - l0:a1 - l0, :, :, b0 - h0:b1 - h0]
+            copies.append((p, (slice(a0 - l0, a1 - l0), slice(None), slice(None),
+                               slice(b0 - h0, b1 - h0)),
+                           (slice(a0 - tl0, a1 - tl0), slice(None), slice(None),
+                            slice(b0 - th0, b1 - th0))))
+    return Recipe(i, copies=tuple(copies))
+
+
+def apply_cut(r: Recipe, tile: Tile, srcs: list[Source], order: KVOrder, take,
+              room: int = 0) -> np.ndarray:
+    """The payload (flat bytes) of a ``view`` or ``copies`` recipe: a view of one source, or
+    assembled into a buffer from ``take`` after ``room`` free bytes (for a header in front:
+    ``out.base[:room]``, so header and payload go out as one contiguous write)."""
+    if r.view is not None:
+        p, sl = r.view
+        v = srcs[p].rows[sl]
+        phys = v if order is KVOrder.LAYER_FIRST else v.transpose(2, 0, 1, 3)
+        return phys.reshape(-1).view(np.uint8)
+    buf = take(room + tile.payload_len)
+    out = buf[room:] if room else buf
+    dest = rows_of(out, tile.layout, order)
+    for p, ssl, dsl in r.copies:
+        dest[dsl] = srcs[p].rows[ssl]
     return out
+
+
+def cut(tile: Tile, srcs: list[Source], order: KVOrder, take) -> np.ndarray:
+    """The tile's payload (flat bytes): a view of one source when that one holds it in the
+    target's byte order already, else assembled into a buffer from ``take``."""
+    return apply_cut(_cut_recipe(0, tile, srcs, order), tile, srcs, order, take)
 
 
 def holds(got: bytes | None, header: bytes, pieces: list) -> bool:

@@ -99,11 +99,13 @@ def open_regular(path: str, flags: int = _RDFLAGS, mode: int = 0o644) -> int:
     return fd
 
 
-WRITE_CHUNK = 64 << 10
+WRITE_CHUNK = 256 << 10
 """Bytes per write system call at most. The kernel sizes page-cache folios by the write: a call
 of 1 MiB or more gets high-order ones, and on the development VM (free memory handed back to the
-host in large blocks) those cost up to 10x the system time of the same bytes written 64 KiB at
-a time — the size ``cp``'s in-kernel copy moves (docs/storage.md, "convert-layout")."""
+host in large blocks) those cost up to 10x the system time of the same bytes in smaller calls.
+Up to 256 KiB a call costs no more than 64 KiB calls, and an object of up to 256 KiB (a
+128 KiB head-cut object with its header) goes out in one call: splitting it into 64 KiB calls
+cost 2-3x the system time (docs/storage.md, "convert-layout")."""
 
 
 def _capped(views: list[memoryview]) -> list[memoryview]:
