@@ -11,7 +11,6 @@ import time
 
 import numpy as np
 import pytest
-import requests
 import torch
 from typer.testing import CliRunner
 
@@ -25,6 +24,7 @@ from engine.storage.l3store import L3Store
 from formats.ranklog import read_ranklog
 from hicache_cli.app import app
 from tests.factories import STORE_LAYOUT, page_chain
+from tests.serve_client import generate
 
 SHAPE = CPShape(2, STORE_LAYOUT.page_size)
 
@@ -66,14 +66,6 @@ def test_each_rank_moves_its_own_pages_under_single_rank_keys():
 
 
 PROMPTS = [np.random.default_rng(i).integers(0, 256, 200).tolist() for i in range(3)]
-
-
-def generate(url: str, ids: list[int]) -> tuple[list[int], dict]:
-    r = requests.post(url + "/generate", timeout=120, json={
-        "input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0,
-                                              "ignore_eos": True}})
-    assert r.status_code == 200, r.text
-    return r.json()["output_ids"], r.json()["meta_info"]["cached_tokens_details"]
 
 
 def serve(cp: int, store: str | None = None, **kw):

@@ -22,15 +22,9 @@ from engine.runtime.pipeline import micro_batches, parse_delay, stage_layers, st
 from engine.runtime.serving import ServerConfig, start_server
 from formats.ranklog import read_ranklog
 from hicache_cli.app import app
+from tests.serve_client import generate
 
 PROMPTS = [np.random.default_rng(i).integers(0, 256, 200).tolist() for i in range(3)]
-
-
-def generate(url: str, ids: list[int]) -> tuple[list[int], dict]:
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0,
-                                                  "ignore_eos": True}}
-    r = requests.post(url + "/generate", json=body, timeout=120).json()
-    return r["output_ids"], r["meta_info"]["cached_tokens_details"]
 
 
 def workload(url: str) -> list:

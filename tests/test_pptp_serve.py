@@ -184,7 +184,6 @@ def test_bench_serve_pp2_tp2_serves_the_shared_script_and_stops_cleanly(tmp_path
     """The CLI: the same tokens and hits as one process on the shared request script (device
     hit, host restore); Ctrl-C stops all four processes, exit 0, no traceback."""
     from tests.serve_client import SCRIPT
-    from tests.serve_client import generate as post
     from tests.serve_client import spawn as _spawn
 
     one, url1 = _spawn()
@@ -192,8 +191,8 @@ def test_bench_serve_pp2_tp2_serves_the_shared_script_and_stops_cleanly(tmp_path
     grid, url2 = _spawn("--pp", "2", "--tp", "2", "--rank-log-dir", str(tmp_path),
                         "--dump-tree-on-exit", f"{snaps}/")
     try:
-        got1 = [post(url1, ids) for ids in SCRIPT]
-        got2 = [post(url2, ids) for ids in SCRIPT]
+        got1 = [generate(url1, ids) for ids in SCRIPT]
+        got2 = [generate(url2, ids) for ids in SCRIPT]
     finally:
         for p in (one, grid):
             p.send_signal(signal.SIGINT)

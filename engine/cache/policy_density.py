@@ -143,7 +143,7 @@ class DensityPolicy(MeasuringPolicy):
         parent = node.parent
         pst = self._state.get(parent.id) if parent is not None else None
         turn = (pst[_TURN] + 1) if pst is not None else self._depth(node)
-        added = len(node.tokens)
+        st = [-1, None, -1, None, turn, -1, len(node.tokens)]
         if parent is not None and node.hit_count == 0 and not node.children:
             # a newly inserted leaf: advance the clock; a ghost hit is a reuse after eviction
             ghost = self.ghosts.pop(edge_key(parent.id, node, self.page_size))
@@ -151,8 +151,7 @@ class DensityPolicy(MeasuringPolicy):
                 born, (cls, ends, ghost_turn) = ghost
                 shared = self._shared(ends, node)
                 self._record(cls, self.clock - born, shared)
-                turn, added = ghost_turn + 1, max(added - shared, 1)
-            st = [-1, None, -1, None, turn, -1, added]
+                st[_TURN], st[_ADDED] = ghost_turn + 1, max(st[_ADDED] - shared, 1)
             self.clock += len(node.tokens)
             self.inserted += len(node.tokens)
             if self.clock >= self._next_choice:
@@ -160,7 +159,6 @@ class DensityPolicy(MeasuringPolicy):
         else:
             # the upper half of a split (or a node first seen by a heap rebuild): the lower
             # half's open interval was this node's, so a hit on it is that interval's reuse
-            st = [-1, None, -1, None, turn, -1, added]
             lower = next(iter(node.children.values()), None) if node.children else None
             lst = self._state.get(lower.id) if lower is not None else None
             if lst is not None and lst[_START] >= 0 and node.hit_count > lst[_HITS]:
@@ -194,8 +192,9 @@ class DensityPolicy(MeasuringPolicy):
         if node.parent is None:
             return
         p = self.page_size
+        # the page ends copied: a view would keep the node's whole token array alive
         self.ghosts.put(edge_key(node.parent.id, node, p), self.clock,
-                        (st[_CLS], node.tokens[p - 1::p], st[_TURN]),
+                        (st[_CLS], node.tokens[p - 1::p].copy(), st[_TURN]),
                         self.clock - _GHOST_HORIZON * max(self.capacity, 1))
 
     def _choose(self) -> None:
