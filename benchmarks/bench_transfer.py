@@ -29,6 +29,7 @@ import time
 import numpy as np
 import torch
 
+from engine.cache.hostcopy import copy_path
 from engine.cache.pool import DevicePool, HostLayout, HostPool, _host_buffer
 from engine.cache.transfer import OpKind, TransferEngine
 from engine.core.layout import KVLayout
@@ -160,6 +161,7 @@ def main(argv=None) -> int:
                       f"ratio {r['backup_ratio']:.2f})", flush=True)
     ratios = [r[k] for r in rows for k in ("load_ratio", "backup_ratio")]
     summary = {"device": device, "pattern": args.pattern, "threads": torch.get_num_threads(),
+               "copy_path": copy_path(),
                "layout": {"layers": args.layers, "kv_heads": args.kv_heads,
                           "head_dim": args.head_dim, "dtype": args.dtype},
                "results": rows, "min_ratio": min(ratios)}
@@ -167,7 +169,7 @@ def main(argv=None) -> int:
         json.dump(summary, sys.stdout, indent=2)
         print()
     else:
-        print(f"min ratio {summary['min_ratio']:.2f}")
+        print(f"min ratio {summary['min_ratio']:.2f}; host copies: {summary['copy_path']}")
     return 0
 
 
