@@ -12,7 +12,9 @@ contiguous tensors on the same two devices (``load_raw`` / ``backup_raw``: host 
 device -> host). The pages of an op are scattered the way a busy allocator hands them out (a
 seeded random sample of the pool, in random order; ``--pattern contiguous`` for runs instead).
 Reported: GB/s (1e9 bytes/s) of the best of ``--repeat`` runs each and ``*_ratio`` = ours / raw.
-On a machine without CUDA both "devices" are host memory (L1 on CPU, as the CPU build runs).
+On a machine without CUDA both "devices" are host memory (L1 on CPU, as the CPU build runs), and
+``copy_path`` in the output says which host copy loop ran: ``native`` (the C loop,
+engine/cache/hostcopy.py) or ``python`` (the fallback; ``HICACHE_NATIVE_COPY=0`` forces it).
 
     .venv/bin/python benchmarks/bench_transfer.py [--mib 128] [--repeat 30] [--json]
         [--layers 8 --kv-heads 8 --head-dim 128 --dtype bfloat16] [--pattern scattered]

@@ -40,6 +40,10 @@ def copy_pages_host(src, src_pages: np.ndarray, dst, dst_pages: np.ndarray, laye
     chunk = src.chunk_bytes
     so = src.chunk_offsets(layer, src_pages).reshape(-1)
     do = dst.chunk_offsets(layer, dst_pages).reshape(-1)
+    # In source-address order, the reads stream forward through the source pool (the hardware
+    # prefetchers follow); the destination pages of an op are distinct, so the order is free.
+    order = np.argsort(so, kind="stable")
+    so, do = so[order], do[order]
     n = int(so.size)
     total = n * chunk
     dbase, sbase = dst.buf.data_ptr(), src.buf.data_ptr()
