@@ -1,6 +1,7 @@
 """Host-to-host chunk copies: the native loop and the Python fallback move the same bytes, and
 the native library is built, cached and chosen (or refused) the way docs/design.md says."""
 
+import logging
 import os
 import shutil
 import subprocess
@@ -172,10 +173,23 @@ def test_unwritable_cache_home_builds_under_the_temp_dir(tmp_path):
     assert res.stdout.startswith(f"native ({tmp_path}/hicache-{os.getuid()}/"), res.stdout
 
 
-@pytest.mark.parametrize("env,reason", [({hostcopy.ENV: "0"}, "HICACHE_NATIVE_COPY=0"),
-                                        ({"CC": "/nonexistent/cc"}, "no C compiler"),
-                                        ({"CC": "false"}, "failed")])
-def test_fallback_is_chosen_and_says_why(tmp_path, env, reason):
+def test_one_log_line_names_the_path(path, caplog):
+    hostcopy.reset()
+    with caplog.at_level(logging.INFO, logger="hicache.transfer"):
+        hostcopy.copy_path()
+        hostcopy.copy_path()
+    lines = [r.getMessage() for r in caplog.records if r.name == "hicache.transfer"]
+    assert len(lines) == 1 and lines[0].startswith(f"host copies: {path} ("), lines
+
+
+FAILING_CC = f"{sys.executable} -c 'raise SystemExit(1)'"
+
+
+# A compiler that fails is a WARNING (printed without any logging set up); the others INFO.
+@pytest.mark.parametrize("env,reason,warns", [({hostcopy.ENV: "0"}, "HICACHE_NATIVE_COPY=0", False),
+                                              ({"CC": "/nonexistent/cc"}, "no C compiler", False),
+                                              ({"CC": FAILING_CC}, "failed", True)])
+def test_fallback_is_chosen_and_says_why(tmp_path, env, reason, warns):
     code = ("import numpy as np; from engine.cache import hostcopy\n"
             "a = np.arange(64, dtype=np.uint8); b = np.zeros(64, np.uint8)\n"
             "hostcopy.copy_chunks(b.ctypes.data, a.ctypes.data, np.array([0]), np.array([8]), 8)\n"
@@ -183,3 +197,4 @@ def test_fallback_is_chosen_and_says_why(tmp_path, env, reason):
     res = fresh(code, XDG_CACHE_HOME=str(tmp_path), TMPDIR=str(tmp_path), **env)
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("python (") and reason in res.stdout, res.stdout
+    assert ("host copies: python (" in res.stderr) == warns, res.stderr

@@ -8,7 +8,8 @@ both sides form one run. :func:`copy_chunks` moves a whole list:
   releases the GIL for the call, so the copy threads run at once, and a run costs a loop
   iteration instead of a ~1 µs Python-level ``memmove`` call (what limits 16-token pages).
   With ``stream=True`` (large transfers; x86-64) it writes with non-temporal stores, which do
-  not read each destination line before overwriting it and do not flush the caches.
+  not read each destination line before overwriting it and do not flush the caches, and
+  prefetches the next run while it copies the current one.
 * **python** — runs merged with numpy, one ``ctypes.memmove`` each: the fallback, the same
   bytes.
 
@@ -17,8 +18,9 @@ The library is built on first use, never at import: the system C compiler (``$CC
 ``~/.cache/hicache``; ``$TMPDIR/hicache-<uid>`` when that is not writable) under a name keyed by
 the source's hash, via a temporary file and an atomic rename, so ranks that start together
 may both compile and neither loads a half-written file. No compiler, a failed build or load, or
-``HICACHE_NATIVE_COPY=0`` selects the Python loop; one ``hicache.transfer`` log line (INFO)
-says which path is used and why, and :func:`copy_path` returns the same text.
+``HICACHE_NATIVE_COPY=0`` selects the Python loop; one ``hicache.transfer`` log line says
+which path is used and why (INFO; WARNING when a compiler exists but the build or the load
+failed), and :func:`copy_path` returns the same text.
 """
 
 from __future__ import annotations
@@ -103,20 +105,23 @@ def _native():
     if _fn is None:
         with _lock:
             if _fn is None:
-                fn, _path = _choose()
-                log.info("host copies: %s", _path)
+                fn, _path, level = _choose()
+                log.log(level, "host copies: %s", _path)
                 _fn = fn
     return _fn
 
 
 def _choose():
+    """(function or False, what copy_path() says, log level): a build that fails where a
+    compiler exists is a WARNING, the other choices INFO."""
     if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return False, f"python ({ENV}=0)"
+        return False, f"python ({ENV}=0)", logging.INFO
     try:
         fn, where = _load()
     except Exception as exc:  # any failure falls back; the reason is reported, never raised
-        return False, f"python (native copy unavailable: {exc})"
-    return fn, f"native ({where})"
+        level = logging.INFO if _compiler() is None else logging.WARNING
+        return False, f"python (native copy unavailable: {exc})", level
+    return fn, f"native ({where})", logging.INFO
 
 
 def _load():
