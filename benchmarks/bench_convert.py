@@ -28,6 +28,14 @@ next, not a cost of either operation. Each pair alternates which goes first; the
 of ``--repeat`` is reported, with the per-pair ratios (a copy and a conversion run back to back)
 as the noise indicator. Speed is source bytes per second; the ratio is convert / copy speed.
 
+Two timings of every operation are reported. The main one (``copy_s``, ``convert_s``,
+``ratio``, ``pair_ratios``) stops when the operation returns: its bytes are in the page cache,
+not yet on disk (neither ``cp`` nor ``convert-layout`` syncs). The ``durable`` block stops after a
+``sync`` run right after it, inside the timing, for both sides alike: the bytes are on disk.
+``sync`` flushes the whole machine, so another job's writes land in it too. ``copy_cpu_s`` and
+``convert_cpu_s`` give each operation's ``[user, system]`` CPU seconds (``cp``'s from its child
+accounting, the conversion's from this process).
+
     .venv/bin/python benchmarks/bench_convert.py [--gb 2] [--dir DIR] [--repeat 2] [--json]
         [--settle 300] [--workers N] [--only 3]
 
@@ -48,6 +56,7 @@ import sys
 import tempfile
 import time
 import uuid
+from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -101,23 +110,45 @@ def sync() -> None:
     subprocess.run(["sync"], check=False)
 
 
-def time_copy(src: str, dst: str) -> float:
-    sync()
-    t0 = time.perf_counter()
-    subprocess.run(["cp", "-r", src, dst], check=True)
-    return time.perf_counter() - t0
+class Timed(NamedTuple):
+    """One timed operation: seconds until it returned, seconds until its bytes were on disk
+    (``sync`` right after it, inside the timing), its CPU seconds, the conversion's counts."""
+
+    s: float
+    durable_s: float
+    user: float
+    sys: float
+    info: dict
 
 
-def time_convert(src: str, dst: str, to: str, workers: int | None) -> tuple[float, dict]:
+def _timed(do, children: bool) -> Timed:
     sync()
-    t0 = time.perf_counter()
-    s_ep = open_endpoint(src, source=True)
-    d_ep = open_endpoint(dst, source=False)
-    p = plan(s_ep, d_ep, to)
-    res = run(p, s_ep, d_ep, workers=workers)
-    s_ep.close()
-    d_ep.close()
-    return time.perf_counter() - t0, {**p.summary(), **res.counts}
+    c0, t0 = os.times(), time.perf_counter()
+    info = do()
+    t1, c1 = time.perf_counter(), os.times()
+    sync()
+    t2 = time.perf_counter()
+    if children:
+        user, system = c1.children_user - c0.children_user, c1.children_system - c0.children_system
+    else:
+        user, system = c1.user - c0.user, c1.system - c0.system
+    return Timed(t1 - t0, t2 - t0, user, system, info or {})
+
+
+def time_copy(src: str, dst: str) -> Timed:
+    return _timed(lambda: subprocess.run(["cp", "-r", src, dst], check=True) and None, True)
+
+
+def time_convert(src: str, dst: str, to: str, workers: int | None) -> Timed:
+    def do() -> dict:
+        s_ep = open_endpoint(src, source=True)
+        d_ep = open_endpoint(dst, source=False)
+        p = plan(s_ep, d_ep, to)
+        res = run(p, s_ep, d_ep, workers=workers)
+        s_ep.close()
+        d_ep.close()
+        return {**p.summary(), **res.counts}
+    return _timed(do, False)
 
 
 def settle(paths: list[str], seconds: float) -> None:
@@ -180,11 +211,32 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _secs(xs: list[float], digits: int = 2) -> str:
+    return " / ".join(f"{x:.{digits}f}" for x in xs)
+
+
+def _cpu(xs: list[list[float]]) -> str:
+    return " / ".join(f"{u:.2f}+{s:.2f}" for u, s in xs)
+
+
+def _ratios(copies: list[float], convs: list[float], nbytes: int) -> dict:
+    """Best-of and per-pair figures of one timing (ratio: copy seconds / convert seconds)."""
+    pairs = [round(c / t, 3) for c, t in zip(copies, convs)]
+    best_copy, best_conv = min(copies), min(convs)
+    return {"copy_s": round(best_copy, 3), "convert_s": round(best_conv, 3),
+            "copy_gbps": round(nbytes / best_copy / 1e9, 3),
+            "convert_gbps": round(nbytes / best_conv / 1e9, 3),
+            "ratio": round(best_copy / best_conv, 3), "pair_ratios": pairs,
+            "median_pair_ratio": round(statistics.median(pairs), 3),
+            "all_copy_s": [round(t, 3) for t in copies],
+            "all_convert_s": [round(t, 3) for t in convs]}
+
+
 def step(i: int, name: str, to: str, src: str, work: str, a, last: bool) -> dict:
     """Time ``--repeat`` pairs of (cp -r, convert) of ``src``; keeps the last conversion as the
     next step's source and deletes everything else."""
-    copies: list[float] = []
-    convs: list[tuple[float, dict]] = []
+    copies: list[Timed] = []
+    convs: list[Timed] = []
     outs: list[str] = []
     load_before = load()
     pair_load: list[float] = []       # 1-minute load average after each pair
@@ -197,29 +249,32 @@ def step(i: int, name: str, to: str, src: str, work: str, a, last: bool) -> dict
             else:
                 convs.append(time_convert(src, out, to, a.workers))
         pair_load.append(load()[0])
-    info = convs[-1][1]
-    best_copy, best_conv = min(copies), min(t for t, _ in convs)
+    info = convs[-1].info
     src_bytes = info["bytes_in"]
-    pairs = [round(c / t, 3) for c, (t, _) in zip(copies, convs)]
     row = {"conversion": name, "bytes_in": src_bytes, "objects_in": info["objects_in"],
-           "objects_out": info["objects_out"], "copy_s": round(best_copy, 3),
-           "convert_s": round(best_conv, 3),
-           "copy_gbps": round(src_bytes / best_copy / 1e9, 3),
-           "convert_gbps": round(src_bytes / best_conv / 1e9, 3),
-           "ratio": round(best_copy / best_conv, 3),
-           "pair_ratios": pairs, "pair_load_avg": pair_load,
-           "median_pair_ratio": round(statistics.median(pairs), 3),
+           "objects_out": info["objects_out"],
+           **_ratios([c.s for c in copies], [t.s for t in convs], src_bytes),
+           "pair_load_avg": pair_load,
            "kernel_copied_bytes": info["kernel_copied_bytes"],
-           "all_copy_s": [round(t, 3) for t in copies],
-           "all_convert_s": [round(t, 3) for t, _ in convs],
+           "durable": _ratios([c.durable_s for c in copies], [t.durable_s for t in convs],
+                              src_bytes),
+           "copy_cpu_s": [[round(c.user, 2), round(c.sys, 2)] for c in copies],
+           "convert_cpu_s": [[round(t.user, 2), round(t.sys, 2)] for t in convs],
            "load_avg_before": load_before, "load_avg_after": load()}
     kernel = info["kernel_copied_bytes"] / max(1, info["bytes_out"])
+    dur = row["durable"]
     print(f"{name:46s} {src_bytes / 1e9:5.2f} GB  {info['objects_in']:6d} -> "
-          f"{info['objects_out']:6d} objects  kernel-copied {kernel:4.0%}  copy "
-          f"{row['copy_gbps']:.2f} GB/s  convert {row['convert_gbps']:.2f} GB/s  "
-          f"ratio {row['ratio']:.2f}  pairs {' / '.join(f'{x:.2f}' for x in pairs)} (load "
-          f"{' / '.join(f'{x:.1f}' for x in pair_load)})  "
-          f"load {row['load_avg_before'][0]:.1f}-{row['load_avg_after'][0]:.1f}",
+          f"{info['objects_out']:6d} objects  kernel-copied {kernel:4.0%}\n"
+          f"  page cache: copy {_secs(row['all_copy_s'])} s  convert "
+          f"{_secs(row['all_convert_s'])} s  pairs {_secs(row['pair_ratios'])}  best/best "
+          f"{row['ratio']:.2f}\n"
+          f"  + sync:     copy {_secs(dur['all_copy_s'])} s  convert "
+          f"{_secs(dur['all_convert_s'])} s  pairs {_secs(dur['pair_ratios'])}  best/best "
+          f"{dur['ratio']:.2f}\n"
+          f"  cpu user+sys: copy {_cpu(row['copy_cpu_s'])}  convert "
+          f"{_cpu(row['convert_cpu_s'])}\n"
+          f"  load after each pair {_secs(pair_load, 1)}  load "
+          f"{row['load_avg_before'][0]:.1f}-{row['load_avg_after'][0]:.1f}",
           file=sys.stderr)
     keep = [o for o in outs if "-convert" in os.path.basename(o)][-1]
     os.rename(keep, os.path.join(work, f"s{i + 1}"))
