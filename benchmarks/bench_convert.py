@@ -34,7 +34,10 @@ not yet on disk (neither ``cp`` nor ``convert-layout`` syncs). The ``durable`` b
 ``sync`` run right after it, inside the timing, for both sides alike: the bytes are on disk.
 ``sync`` flushes the whole machine, so another job's writes land in it too. ``copy_cpu_s`` and
 ``convert_cpu_s`` give each operation's ``[user, system]`` CPU seconds (``cp``'s from its child
-accounting, the conversion's from this process).
+accounting, the conversion's from this process); ``copy_mem_free_gb`` and
+``convert_mem_free_gb`` the free memory when each started (on the development VM, writes into
+the page cache cost several times more CPU when the kernel hands out memory the host has not
+backed yet; docs/storage.md).
 
     .venv/bin/python benchmarks/bench_convert.py [--gb 2] [--dir DIR] [--repeat 2] [--json]
         [--settle 300] [--workers N] [--only 3]
@@ -119,10 +122,23 @@ class Timed(NamedTuple):
     user: float
     sys: float
     info: dict
+    mem_free_gb: float | None    # MemFree when it started (Linux)
+
+
+def mem_free_gb() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemFree:"):
+                    return round(int(line.split()[1]) / 2**20, 2)
+    except OSError:
+        pass
+    return None
 
 
 def _timed(do, children: bool) -> Timed:
     sync()
+    free = mem_free_gb()
     c0, t0 = os.times(), time.perf_counter()
     info = do()
     t1, c1 = time.perf_counter(), os.times()
@@ -132,7 +148,7 @@ def _timed(do, children: bool) -> Timed:
         user, system = c1.children_user - c0.children_user, c1.children_system - c0.children_system
     else:
         user, system = c1.user - c0.user, c1.system - c0.system
-    return Timed(t1 - t0, t2 - t0, user, system, info or {})
+    return Timed(t1 - t0, t2 - t0, user, system, info or {}, free)
 
 
 def time_copy(src: str, dst: str) -> Timed:
@@ -211,8 +227,8 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _secs(xs: list[float], digits: int = 2) -> str:
-    return " / ".join(f"{x:.{digits}f}" for x in xs)
+def _secs(xs: list, digits: int = 2) -> str:
+    return " / ".join("?" if x is None else f"{x:.{digits}f}" for x in xs)
 
 
 def _cpu(xs: list[list[float]]) -> str:
@@ -260,6 +276,8 @@ def step(i: int, name: str, to: str, src: str, work: str, a, last: bool) -> dict
                               src_bytes),
            "copy_cpu_s": [[round(c.user, 2), round(c.sys, 2)] for c in copies],
            "convert_cpu_s": [[round(t.user, 2), round(t.sys, 2)] for t in convs],
+           "copy_mem_free_gb": [c.mem_free_gb for c in copies],
+           "convert_mem_free_gb": [t.mem_free_gb for t in convs],
            "load_avg_before": load_before, "load_avg_after": load()}
     kernel = info["kernel_copied_bytes"] / max(1, info["bytes_out"])
     dur = row["durable"]
@@ -273,6 +291,8 @@ def step(i: int, name: str, to: str, src: str, work: str, a, last: bool) -> dict
           f"{dur['ratio']:.2f}\n"
           f"  cpu user+sys: copy {_cpu(row['copy_cpu_s'])}  convert "
           f"{_cpu(row['convert_cpu_s'])}\n"
+          f"  free memory GB at start: copy {_secs(row['copy_mem_free_gb'], 1)}  convert "
+          f"{_secs(row['convert_mem_free_gb'], 1)}\n"
           f"  load after each pair {_secs(pair_load, 1)}  load "
           f"{row['load_avg_before'][0]:.1f}-{row['load_avg_after'][0]:.1f}",
           file=sys.stderr)

@@ -9,12 +9,13 @@ Two steps, both pure with respect to the source (it is only read):
   every byte of its rectangle in sound source objects), and checks the destination: objects it
   already holds under a target key must carry exactly the header we would write (else it holds
   *conflicting* objects and nothing is written), and it must have room for the rest.
-* :func:`run` converts page by page: reads each source object once and checks it (a corrupt one
-  is skipped and counted, never copied), cuts the target rectangles (a view of one source
-  payload when one holds the whole rectangle in the target's byte order, else assembled), and
-  writes them. Into a file store, worker threads (:data:`WORKERS`) each take a page: its
-  objects are written to temp files and renamed into place under one lock (payload bytes that
-  are whole runs of source files are copied by the kernel); into Mooncake, objects go in
+* :func:`run` converts page by page: reads each source object once (a file store's is mapped)
+  and checks it (a corrupt one is skipped and counted, never copied), cuts the target
+  rectangles (a view of one source payload when one holds the whole rectangle in the target's
+  byte order, else assembled), and writes them. Into a file store, worker threads
+  (:data:`WORKERS`) each take a page: its objects are written to unnamed files and linked into
+  place under one lock (the file backend's ``put``; payload bytes that are whole runs of source
+  files are copied by the kernel); into Mooncake, objects go in
   batches of about 8 MiB. With ``verify`` every written object is read back and compared byte
   for byte. Objects already in the destination are read back and compared instead of
   rewritten, so a run is resumable. A ``KeyboardInterrupt`` stops the run: pages not started
@@ -62,10 +63,11 @@ from formats.kvobject import (
 
 HEAD_BYTES = header_len_for(MAX_LAYOUT_BYTES)
 BATCH_BYTES = 8 << 20
-WORKERS = 4
-"""Worker threads of a file-to-file conversion (and of reading a file store's headers).
-Opening, creating, reading, writing and renaming files run without the GIL, so pages overlap
-each other's file-system waits."""
+WORKERS = max(1, min(4, os.cpu_count() or 1))
+"""Worker threads of a file-to-file conversion (and of reading a file store's headers): one per
+CPU, at most 4. Opening, creating, reading, writing and linking files run without the GIL, so
+pages overlap each other's file-system work; more threads than CPUs only add GIL handoffs
+(measured on 2 CPUs: 4 threads took 30-60% more CPU time than 0-2 for the same wall time)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,8 +322,8 @@ def run(p: Plan, src: Endpoint, dst: Endpoint, *, verify: bool = False,
 class _Converter:
     """One run: reads, checks and cuts pages, and writes their target objects.
 
-    A file destination is written page by page (each page's objects staged to temp files,
-    then renamed into place under one lock), from worker threads when ``threaded``; another
+    A file destination is written page by page (each page's objects staged, then made visible
+    under one lock: the file backend's ``put``), from worker threads when ``threaded``; another
     destination is written in batches of about :data:`BATCH_BYTES` from this thread."""
 
     def __init__(self, p: Plan, src: Endpoint, dst: Endpoint, verify: bool):
@@ -405,12 +407,12 @@ class _Converter:
         try:
             self._cut_page(ph, objs, w, bufs.take)
             if w.outs:
-                backend = self.dst.backend()
-                oks = backend.publish([backend.stage(o.key, o.parts) for o in w.outs])
+                oks = self.dst.backend().put([o.key for o in w.outs], [o.parts for o in w.outs])
                 self._written(w, w.outs, oks)
         except (InputError, StorageError) as e:
             w.error = e
         finally:
+            w.outs = []             # views of the sources' mappings and of ``bufs``: gone now
             self._close(w)
             bufs.release()
         return w
@@ -421,7 +423,7 @@ class _Converter:
         p, counts = self.p, w.counts
         srcs: list[Source] = []
         for o in objs:
-            s, n, fd = read_source(self.src, o, take, self.ranges)
+            s, n, fd = read_source(self.src, o, self.ranges)
             w.nbytes += n
             if fd is not None:
                 w.fds.append(fd)

@@ -7,8 +7,9 @@ files, and the kernel's page-cache work for every byte written. Here, that shape
 
 * **No fresh memory per object.** A worker thread reads sources into, and cuts targets into,
   buffers it keeps (:class:`Buffers`); fresh pages for every object cost more than the copy.
-* **Source bytes are read once**, into memory, and checked there (header and payload checksum);
-  every cut, checksum and comparison works on those bytes. Between file stores, target payloads
+* **Source bytes are not copied**: a file store's source object is mapped (the page cache
+  itself) and checked there (header and payload checksum); every cut, checksum and comparison
+  works on those bytes. Between file stores, target payloads
   that are whole byte runs of source files are copied by the kernel from the same (immutable,
   content-addressed) files; their checksums are computed from the checked bytes.
 * **Rows, not bytes.** Cuts move ``head_dim × itemsize`` byte rows as one numpy element each.
@@ -17,6 +18,7 @@ files, and the kernel's page-cache work for every byte written. Here, that shape
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import os
 
 import numpy as np
@@ -25,8 +27,6 @@ from engine.core.layout import KVLayout
 from engine.storage.endpoints import Endpoint, FileEndpoint
 from engine.storage.placement import KVOrder, Tile, span
 from formats.kvobject import KVObjectError, parse_header, verify_payload
-
-_SINK = memoryview(bytearray(1))     # the byte past an object's end (a longer file fills it)
 
 
 class Buffers:
@@ -79,9 +79,11 @@ def rows_of(payload, region: KVLayout, order: KVOrder) -> np.ndarray:
     return a.reshape(P, L, K, H).transpose(1, 2, 0, 3)
 
 
-def read_source(src: Endpoint, o, take, keep_fd: bool) -> tuple[Source | None, int, int | None]:
+def read_source(src: Endpoint, o, keep_fd: bool) -> tuple[Source | None, int, int | None]:
     """Read ``o`` whole and check it: (the source or None when missing or corrupt, bytes read,
-    the open file descriptor, kept open when ``keep_fd`` — the caller closes it)."""
+    the open file descriptor, kept open when ``keep_fd`` — the caller closes it).
+
+    A file store's object is mapped, not copied (:func:`map_source`); another store's is read."""
     if not isinstance(src, FileEndpoint):
         raw = src.read(o.key)
         return (_check(memoryview(raw), o, None) if raw is not None else None), \
@@ -89,22 +91,32 @@ def read_source(src: Endpoint, o, take, keep_fd: bool) -> tuple[Source | None, i
     fd = src.open_fd(o.key)
     if fd is None:
         return None, 0, None
-    try:
-        buf = take(o.size)
-        n = os.preadv(fd, [buf, _SINK], 0)
-        while 0 < n < o.size:              # a short read of a regular file: read on
-            got = os.preadv(fd, [memoryview(buf)[n:]], n)
-            if got <= 0:
-                break
-            n += got
-    except OSError:
-        n = -1
+    m = map_source(fd, o.size)
     if not keep_fd:
         os.close(fd)
         fd = None
-    if n != o.size:                        # changed size since the scan, or unreadable
-        return None, max(n, 0), fd
-    return _check(memoryview(buf), o, fd), n, fd
+    if m is None:                          # changed size since the scan, or unreadable
+        return None, 0, fd
+    return _check(memoryview(m), o, fd), o.size, fd
+
+
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
+
+def map_source(fd: int, size: int) -> mmap.mmap | None:
+    """The file's ``size`` bytes mapped read-only (the page cache itself: no copy into user
+    memory), or None when the file is not exactly ``size`` bytes long or cannot be mapped.
+
+    Source objects are at rest: a store replaces an object by renaming a new file over it and
+    never truncates one in place, so the file keeps the size checked here while it is mapped
+    (reading past a truncated file's end would be a SIGBUS, not an error). The mapping is
+    released when the last view of it goes (a page's sources, cuts and comparisons)."""
+    try:
+        if os.fstat(fd).st_size != size or size == 0:
+            return None
+        return mmap.mmap(fd, size, _MAP_FLAGS, mmap.PROT_READ)
+    except (OSError, ValueError):
+        return None
 
 
 _LAYOUTS: dict[bytes, dict] = {}      # layout JSON seen in sources, parsed once (shared)

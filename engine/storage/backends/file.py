@@ -5,12 +5,15 @@ Layout of the store directory::
     store.json                 marker: {"format": "hicache-file-store", "version": 1}
     lock                       flock'd by every writer; holds the usage counters (bytes, objects)
     objects/ab/<key>           fan-out by the key's first 2 characters (256 directories)
-    tmp/                       objects being written (same filesystem, so rename is atomic)
+    tmp/                       objects being written (same filesystem, so links and renames are
+                               atomic)
     quarantine/<key>.<ns>      corrupt objects taken out of service (the newest few are kept)
 
-* **Atomic writes.** An object is written to ``tmp/`` and renamed into place with
-  ``os.replace``, so a reader never sees a partial object (a crash leaves only a temp file, which
-  the next eviction pass removes).
+* **Atomic writes.** An object is written to an unnamed file (``O_TMPFILE`` in ``tmp/``) and
+  linked into place whole (``linkat``), so a reader never sees a partial object and a crash
+  leaves nothing behind. Where the filesystem or ``/proc`` does not allow that, it is written to
+  a named temp file in ``tmp/`` and renamed into place (a crash leaves only that temp file,
+  which the next eviction pass removes).
 * **Several processes at once.** Renames and usage accounting happen under an exclusive
   ``flock`` on ``lock``; the usage counters live in that file, so every process sees the same
   total.
@@ -70,11 +73,13 @@ _RDFLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 
 
 class Staged(NamedTuple):
-    """An object written to a temp file by :meth:`FileBackend.stage`, not yet visible."""
+    """An object written by :meth:`FileBackend.stage`, not yet visible: an unnamed file open
+    as ``fd`` (``tmp`` None), or a named temp file ``tmp`` (``fd`` -1)."""
 
-    tmp: str
+    tmp: str | None
     path: str
     size: int
+    fd: int = -1
 
 
 class NotRegular(OSError):
@@ -98,6 +103,9 @@ def open_regular(path: str, flags: int = _RDFLAGS, mode: int = 0o644) -> int:
         raise NotRegular(errno.EINVAL, "not a regular file", path)
     return fd
 
+
+STAGE_BATCH = 64
+"""Objects staged before they are published, at most (:meth:`FileBackend.put`)."""
 
 WRITE_CHUNK = 256 << 10
 """Bytes per write system call at most. The kernel sizes page-cache folios by the write: a call
@@ -138,6 +146,15 @@ def _copy_range(r: FileRange, fd: int) -> None:
         if n <= 0:
             raise OSError(errno.EIO, f"source file ended {left} bytes early")
         off, left = off + n, left - n
+
+
+def _discard(st: Staged) -> None:
+    """Drop a staged object that will not be published."""
+    with contextlib.suppress(OSError):
+        if st.tmp is None:
+            os.close(st.fd)
+        else:
+            os.unlink(st.tmp)
 
 
 def _preadv_all(fd: int, views: list[memoryview]) -> int:
@@ -182,6 +199,7 @@ class FileBackend:
                                f"used: {e.strerror or e}") from None
         self._tlock = threading.Lock()
         self._dirs: set[str] = set()
+        self._objfd = self._unnamed_files()
         self._sink = memoryview(bytearray(1))   # the byte past an object's end (never used)
         self._closed = False
         self._warned: dict[int, tuple[float, int]] = {}   # errno -> (last warning, since)
@@ -196,6 +214,28 @@ class FileBackend:
     @classmethod
     def from_config(cls, config: StorageConfig) -> "FileBackend":
         return cls(config.file)
+
+    def _unnamed_files(self) -> int | None:
+        """A descriptor of ``objects/`` when objects can be written as unnamed files and
+        linked into place (``O_TMPFILE``, then ``linkat`` of ``/proc/self/fd/N``: tried once
+        here), else None."""
+        if not hasattr(os, "O_TMPFILE"):
+            return None
+        name = f"probe.{os.getpid()}.{next(_seq)}.tmp"
+        try:
+            dfd = os.open(self._tmpdir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                fd = os.open(self._tmpdir, os.O_WRONLY | os.O_TMPFILE | os.O_CLOEXEC, 0o644)
+                try:
+                    os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dfd, follow_symlinks=True)
+                finally:
+                    os.close(fd)
+                os.unlink(name, dir_fd=dfd)
+            finally:
+                os.close(dfd)
+            return os.open(self._objdir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:     # not supported by this filesystem or kernel, or no /proc
+            return None
 
     # -- setup helpers -----------------------------------------------------------------------
     def _check_marker(self) -> None:
@@ -333,34 +373,52 @@ class FileBackend:
             os.close(fd)
 
     def put(self, keys: Sequence[str], parts: Sequence[Sequence[Buffer]]) -> list[bool]:
-        """Write every object to a temp file, then publish the batch under one lock."""
+        """Stage the objects, then publish them under one lock, :data:`STAGE_BATCH` at a time
+        (each staged object holds an open file until it is published)."""
         check_batch(keys, parts)
-        staged = [self.stage(key, ps) for key, ps in zip(keys, parts)]
-        return self.publish(staged)
+        out: list[bool] = []
+        for at in range(0, len(keys), STAGE_BATCH):
+            out += self.publish([self.stage(k, ps) for k, ps in
+                                 zip(keys[at:at + STAGE_BATCH], parts[at:at + STAGE_BATCH])])
+        return out
 
     def stage(self, key: str, parts: Sequence[Buffer]) -> Staged | None:
-        """Write one object to a temp file (not visible yet; :meth:`publish` makes it so).
-        None when it cannot be written (counted; the temp file is removed). Safe to call from
-        several threads at once: creating and writing files runs without the GIL."""
+        """Write one object to an unnamed (or temp) file: not visible yet, :meth:`publish`
+        makes it so and closes it. None when it cannot be written (counted; nothing is left).
+        Safe to call from several threads at once: creating and writing files runs without
+        the GIL."""
         path = self.object_path(key)
         views = [p if isinstance(p, FileRange) else byte_view(p) for p in parts]
         size = sum(len(v) for v in views)
         limit = self.config.size_limit_bytes
         if limit and size > limit:
             return None
-        tmp = os.path.join(self._tmpdir, f"{key}.{os.getpid()}.{next(_seq)}.tmp")
+        tmp = None if self._objfd is not None else \
+            os.path.join(self._tmpdir, f"{key}.{os.getpid()}.{next(_seq)}.tmp")
+        fd = -1
         try:
-            self._write_tmp(tmp, views)
             parent = os.path.dirname(path)
             if parent not in self._dirs:
                 os.makedirs(parent, exist_ok=True)
                 self._dirs.add(parent)
+            if tmp is None:
+                fd = os.open(self._tmpdir, os.O_WRONLY | os.O_TMPFILE | os.O_CLOEXEC, 0o644)
+                self._write_fd(fd, views)
+                return Staged(None, path, size, fd)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                self._write_fd(fd, views)
+            finally:
+                os.close(fd)
+            return Staged(tmp, path, size)
         except OSError as e:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            if tmp is None and fd >= 0:
+                os.close(fd)
+            elif tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
             self._error("write", path, e)
             return None
-        return Staged(tmp, path, size)
 
     def publish(self, staged: Sequence[Staged | None]) -> list[bool]:
         """Rename staged objects into place under one lock (an object already there is kept:
@@ -371,53 +429,68 @@ class FileBackend:
             self._publish(todo, out)
         return out
 
-    def _write_tmp(self, tmp: str, views: list) -> None:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    def _write_fd(self, fd: int, views: list) -> None:
+        run: list[memoryview] = []
+        for v in views:
+            if isinstance(v, FileRange):     # memory parts before it first, in order
+                _writev_all(fd, run)
+                run = []
+                _copy_range(v, fd)
+            else:
+                run.append(v)
+        _writev_all(fd, run)
+        if self.config.fsync:
+            os.fsync(fd)
+
+    def _place(self, st: Staged) -> bool:
+        """Make a staged object visible under its key; False when an object is there already
+        (content-addressed: the old one is kept). Closes or removes what was staged."""
+        if st.tmp is None:
+            try:
+                os.link(f"/proc/self/fd/{st.fd}", st.path[len(self._objdir) + 1:],
+                        dst_dir_fd=self._objfd, follow_symlinks=True)
+                return True
+            except FileExistsError:
+                return False
+            finally:
+                os.close(st.fd)
         try:
-            run: list[memoryview] = []
-            for v in views:
-                if isinstance(v, FileRange):     # memory parts before it first, in order
-                    _writev_all(fd, run)
-                    run = []
-                    _copy_range(v, fd)
-                else:
-                    run.append(v)
-            _writev_all(fd, run)
-            if self.config.fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+            if not os.path.exists(st.path):
+                os.replace(st.tmp, st.path)
+                return True
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(st.tmp)
+            raise
+        os.unlink(st.tmp)
+        return False
 
     def _publish(self, staged: list[tuple[int, Staged]], out: list[bool]) -> None:
-        """Under the lock: rename temp files into place (unless present), account, evict."""
+        """Under the lock: link or rename staged objects into place (unless present), account,
+        evict."""
         limit = self.config.size_limit_bytes
         done = 0
         try:
             with self._locked():
                 used, n = self._read_usage() or (0, 0)
-                for i, (tmp, path, size) in staged:
+                for i, st in staged:
                     done += 1
                     try:
-                        if os.path.exists(path):          # content-addressed: keep the old one
-                            os.unlink(tmp)
-                            self.counters.add("put_skipped")
-                        else:
-                            os.replace(tmp, path)
-                            used, n = used + size, n + 1
+                        if self._place(st):
+                            used, n = used + st.size, n + 1
                             self.counters.add("puts")
+                        else:
+                            self.counters.add("put_skipped")
                         out[i] = True
                     except OSError as e:
-                        with contextlib.suppress(OSError):
-                            os.unlink(tmp)
-                        self._error("publish", path, e)
+                        self._error("publish", st.path, e)
                 if limit and used > limit:
                     used, n = self._scan_and_evict(int(limit * self.config.evict_to))
                 self._write_usage(used, n)
         except OSError as e:
             self._error("lock", os.path.join(self.root, "lock"), e)
             for _, st in staged[done:]:
-                with contextlib.suppress(OSError):
-                    os.unlink(st.tmp)
+                _discard(st)
 
     def delete(self, keys: Sequence[str]) -> int:
         paths = [self.object_path(k) for k in keys]
@@ -499,5 +572,7 @@ class FileBackend:
             return
         self._closed = True
         os.close(self._lock_fd)
+        if self._objfd is not None:
+            os.close(self._objfd)
         if self._owned:
             shutil.rmtree(self.root, ignore_errors=True)
