@@ -238,6 +238,30 @@ def test_corrupt_source_objects_are_skipped_and_counted(tmp_path):
     b.close()
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_sources_that_change_size_after_planning_are_skipped(tmp_path, workers):
+    """Source objects are mapped, not read: one cut short and one grown since the plan read
+    their headers are skipped and counted (never mapped past the end of a file)."""
+    src, hs = legacy_source(tmp_path)
+    fds = len(os.listdir("/proc/self/fd"))
+    s_ep = open_endpoint(str(src), source=True)
+    d_ep = open_endpoint(str(tmp_path / "dst"), source=False)
+    p = plan(s_ep, d_ep, "unified")
+    names = objects(src)
+    short, longer, empty = (os.path.join(src, "objects", n[:2], n) for n in names[:3])
+    os.truncate(short, os.path.getsize(short) - 100)
+    with open(longer, "ab") as f:
+        f.write(b"more")
+    os.truncate(empty, 0)
+    res = run(p, s_ep, d_ep, verify=True, workers=workers)
+    s_ep.close()
+    d_ep.close()
+    assert len(os.listdir("/proc/self/fd")) == fds       # every mapping and file let go
+    assert res.counts["read_corrupt"] == 3 and res.counts["not_produced"] == 3 * 4
+    assert res.counts["written"] == res.counts["verified"] == 48 - 3 * 4
+    assert len(objects(tmp_path / "dst")) == 48 - 3 * 4
+
+
 def test_no_room_is_refused_up_front(tmp_path):
     src, _ = legacy_source(tmp_path)
     before = files(src)

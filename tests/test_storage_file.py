@@ -239,6 +239,40 @@ def test_staged_objects_from_threads_appear_only_when_published(tmp_path):
     b.close()
 
 
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("unnamed", [True, False])
+def test_staged_objects_leave_nothing_behind_and_the_first_copy_stays(tmp_path, monkeypatch,
+                                                                      unnamed):
+    from engine.storage.backends.file import STAGE_BATCH
+
+    if not unnamed:                       # as on a filesystem without O_TMPFILE
+        monkeypatch.setattr(FileBackend, "_unnamed_files", lambda self: None)
+    b = open_store(tmp_path / "s")
+    if unnamed and b._objfd is None:
+        pytest.skip("this filesystem cannot link unnamed files into place")
+    tmp, key = tmp_path / "s" / "tmp", "ab" * 32
+    fds = open_fds()
+    st = b.stage(key, [b"first ", np.arange(10, dtype=np.uint8)])
+    assert b.exists([key]) == [False]                     # not visible before publish
+    assert len(os.listdir(tmp)) == (0 if unnamed else 1)  # an unnamed file has no name at all
+    assert b.publish([st]) == [True]
+    first = open(b.object_path(key), "rb").read()
+    assert first == b"first " + bytes(range(10))
+    again = b.stage(key, [b"second"])
+    assert b.publish([again]) == [True]                   # stored: the object already was
+    assert open(b.object_path(key), "rb").read() == first and b.counters["put_skipped"] == 1
+    assert os.listdir(tmp) == [] and open_fds() == fds    # every staged file closed or removed
+    keys = [f"{i:04x}" * 16 for i in range(2 * STAGE_BATCH + 3)]
+    assert b.put(keys, [[k.encode()] for k in keys]) == [True] * len(keys)
+    assert b.usage() == (len(first) + sum(len(k) for k in keys), 1 + len(keys))
+    assert open(b.object_path(keys[-1]), "rb").read() == keys[-1].encode()
+    assert os.listdir(tmp) == [] and open_fds() == fds
+    b.close()
+
+
 def test_large_payloads_are_written_in_full_by_capped_calls(tmp_path):
     from engine.storage.backends.file import WRITE_CHUNK
 
