@@ -24,7 +24,8 @@ development VM's disk) creating a file scans past every inode of its block group
 last 60 s — 300 s while that inode's table block is dirty, as the next creates make it — and
 after the thousands of deletes of a previous copy a create took up to 1 ms (``perf``:
 ``recently_deleted`` under ``__ext4_new_inode``): a penalty on whoever creates the most files
-next, not a cost of either operation. Each pair alternates which goes first; the best
+next, not a cost of either operation. Each pair alternates which goes first (``--first``
+says which does in the first pair); the best
 of ``--repeat`` is reported, with the per-pair ratios (a copy and a conversion run back to back)
 as the noise indicator. Speed is source bytes per second; the ratio is convert / copy speed.
 
@@ -40,7 +41,7 @@ the page cache cost several times more CPU when the kernel hands out memory the 
 backed yet; docs/storage.md).
 
     .venv/bin/python benchmarks/bench_convert.py [--gb 2] [--dir DIR] [--repeat 2] [--json]
-        [--settle 300] [--workers N] [--only 3]
+        [--settle 300] [--workers N] [--only 3] [--first copy|convert]
 
 ``--only N[,N...]`` times only those steps (1-4); the steps before them are run once, untimed,
 to make their sources, and nothing is deleted before the timed steps (so no settling is
@@ -192,6 +193,8 @@ def main() -> None:
                     help="convert-layout worker threads (default: its own default)")
     ap.add_argument("--only", default=None,
                     help="time only these steps, e.g. 3 or 1,3 (default: all four)")
+    ap.add_argument("--first", choices=("copy", "convert"), default="copy",
+                    help="which of a pair runs first in the first pair (then alternating)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     try:
@@ -221,7 +224,7 @@ def main() -> None:
             else:                       # untimed: only the next step's source
                 time_convert(src, os.path.join(work, f"s{i + 1}"), to, a.workers)
         if a.json:
-            print(json.dumps({"cpus": os.cpu_count(), "workers": a.workers,
+            print(json.dumps({"cpus": os.cpu_count(), "workers": a.workers, "first": a.first,
                               "load_avg": load(), "rows": rows}, indent=2))
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -257,7 +260,8 @@ def step(i: int, name: str, to: str, src: str, work: str, a, last: bool) -> dict
     load_before = load()
     pair_load: list[float] = []       # 1-minute load average after each pair
     for r in range(a.repeat):
-        for which in (("copy", "convert") if r % 2 == 0 else ("convert", "copy")):
+        order = ("copy", "convert") if a.first == "copy" else ("convert", "copy")
+        for which in (order if r % 2 == 0 else order[::-1]):
             out = os.path.join(work, f"s{i}-{which}{r}")
             outs.append(out)
             if which == "copy":
