@@ -67,7 +67,7 @@ WORKERS = max(1, min(4, os.cpu_count() or 1))
 """Worker threads of a file-to-file conversion (and of reading a file store's headers): one per
 CPU, at most 4. Opening, creating, reading, writing and linking files run without the GIL, so
 pages overlap each other's file-system work; more threads than CPUs only add GIL handoffs
-(measured on 2 CPUs: 4 threads took 30-60% more CPU time than 0-2 for the same wall time)."""
+(measured on 2 CPUs: 4 threads took 25-60% more CPU time than 0-2 for the same wall time)."""
 
 
 @dataclasses.dataclass(frozen=True)
