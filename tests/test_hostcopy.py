@@ -99,21 +99,47 @@ PAGES = [([], []), ([5], [17]), ([7, 2, 9, 21, 14, 0], [3, 11, 23, 6, 1, 18]),
 @pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("src_pages,dst_pages", PAGES)
+@pytest.mark.parametrize("via", ["layer", "op"])
 def test_load_and_backup_bytes_equal_the_gather_scatter_path(path, small_thresholds, host_layout,
-                                                             page_size, src_pages, dst_pages):
+                                                             page_size, src_pages, dst_pages, via):
+    """``layer``: copy_pages_host, one layer at a time; ``op``: an engine op, whose copy
+    threads run through all layers without waiting for each other."""
     src, dst = np.array(src_pages, np.int64), np.array(dst_pages, np.int64)
-    for kind in ("load", "backup"):
+    for kind in (OpKind.LOAD, OpKind.BACKUP):
         l1, l2 = pools(host_layout, page_size)
-        a, b = (l2, l1) if kind == "load" else (l1, l2)
+        a, b = (l2, l1) if kind is OpKind.LOAD else (l1, l2)
         before = b.buf.clone()
         for layer in range(2):                            # the reference: gather, scatter
             b.set_layer(layer, dst, a.get_layer(layer, src))
         ref = b.buf.clone()
         b.buf.copy_(before)
-        for layer in range(2):
-            assert copy_pages_host(a, src, b, dst, layer) == len(src) * 2 * b.chunk_bytes
-        assert torch.equal(b.buf, ref), f"{kind} wrote different bytes"
+        if via == "layer":
+            for layer in range(2):
+                assert copy_pages_host(a, src, b, dst, layer) == len(src) * 2 * b.chunk_bytes
+        else:
+            eng = TransferEngine("cpu")
+            eng.submit(eng.new_op(kind, a, src, b, dst, 2)).wait()
+            eng.close()
+        assert torch.equal(b.buf, ref), f"{kind.value} wrote different bytes"
         assert torch.equal(b.buf, before) == (len(src) == 0)
+
+
+def test_a_failing_copy_thread_fails_the_op_without_hanging(path, small_thresholds, monkeypatch):
+    l1, l2 = pools("page_first", 16)
+    real = transfer.HostCopy.copy_part
+
+    def copy_part(self, layer, part):
+        if part[0] > 0 and layer == 1:
+            raise OSError("copy thread lost")
+        real(self, layer, part)
+
+    monkeypatch.setattr(transfer.HostCopy, "copy_part", copy_part)
+    eng = TransferEngine("cpu")
+    op = eng.submit(eng.new_op(OpKind.LOAD, l2, np.arange(9), l1, np.arange(9, 18), 2))
+    with pytest.raises(RuntimeError, match="failed") as err:
+        op.wait()
+    assert isinstance(err.value.__cause__, OSError) and op.failed
+    eng.close()
 
 
 @pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])

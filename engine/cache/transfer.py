@@ -9,8 +9,8 @@ is never a hit.
   :meth:`TransferOp.wait_layer` makes the current stream wait on it.
 * On CPU, a worker thread performs the same per-layer copies and sets one ``threading.Event``
   per layer: the same code path, the same ordering guarantees. Between two host pools a layer
-  is one list of byte runs copied pool to pool (:func:`copy_pages_host`, :mod:`.hostcopy`);
-  otherwise a gather and a scatter of plain tensor copies.
+  is one list of chunks copied pool to pool (:class:`HostCopy`, :mod:`.hostcopy`); otherwise
+  a gather and a scatter of plain tensor copies.
 * Without pools (metadata-only replay) an op is complete as soon as it is submitted.
 """
 
@@ -31,37 +31,108 @@ from engine.cache.hostcopy import copy_chunks
 from formats.ranklog_events import OpId
 
 
+class HostCopy:
+    """One op's copy between two pools in host memory, planned once for all its layers.
+
+    A layer is a list of (page, kind) chunks copied straight from pool to pool — no gathered
+    temporary, no per-token index — by :func:`~engine.cache.hostcopy.copy_chunks` (one native
+    call per list, or the Python fallback; chunks adjacent on both sides form one run). The
+    list is sorted by source address (the reads then stream forward and the hardware
+    prefetchers follow; an op's destination pages are distinct, so the order is free) and cut
+    by chunk count into one part per copy thread, as many as torch uses. In both pools a layer's
+    chunks sit at the same offsets plus a per-layer stride, so the list is built once per op.
+    """
+
+    def __init__(self, src, src_pages: np.ndarray, dst, dst_pages: np.ndarray):
+        self.src, self.dst = src, dst
+        self.src_pages, self.dst_pages = src_pages, dst_pages
+        self.chunk = src.chunk_bytes
+        so = src.chunk_offsets(0, src_pages).reshape(-1)
+        do = dst.chunk_offsets(0, dst_pages).reshape(-1)
+        self.order = np.argsort(so)
+        self.so, self.do = so[self.order], do[self.order]
+        self.strides = (_layer_stride(src, src_pages, so), _layer_stride(dst, dst_pages, do))
+        n = int(so.size)
+        self.layer_bytes = n * self.chunk
+        self.stream = self.layer_bytes >= _STREAM_MIN_BYTES
+        workers = max(1, min(_threads(), n, self.layer_bytes // _PARALLEL_MIN_BYTES))
+        step = max(1, -(-n // workers))
+        self.parts = [(i, min(i + step, n)) for i in range(0, n, step)] or [(0, 0)]
+
+    def copy_part(self, layer: int, part: tuple[int, int]) -> None:
+        a, b = part
+        s_stride, d_stride = self.strides
+        if s_stride is None or d_stride is None:   # not a fixed stride: this layer's offsets
+            so = self.src.chunk_offsets(layer, self.src_pages).reshape(-1)[self.order]
+            do = self.dst.chunk_offsets(layer, self.dst_pages).reshape(-1)[self.order]
+            s_stride = d_stride = 0
+        else:
+            so, do = self.so, self.do
+        copy_chunks(self.dst.buf.data_ptr() + layer * d_stride,
+                    self.src.buf.data_ptr() + layer * s_stride, do[a:b], so[a:b], self.chunk,
+                    self.stream)
+
+    def copy_layer(self, layer: int) -> int:
+        """One layer, all parts (the caller's thread and the copy threads). Returns its bytes."""
+        first, *rest = self.parts
+        futs = [_copy_threads(len(rest)).submit(self.copy_part, layer, part) for part in rest]
+        self.copy_part(layer, first)
+        for f in futs:
+            f.result()
+        return self.layer_bytes
+
+    def run(self, num_layers: int, layer_done) -> None:
+        """Copy every layer; ``layer_done(layer)`` is called in layer order, each once all of
+        that layer's bytes are in place. The copy threads go through their parts of all the
+        layers without waiting; this thread copies its part of a layer, then waits for theirs:
+        no thread idles at the end of each layer."""
+        first, *rest = self.parts
+        if not rest:
+            for layer in range(num_layers):
+                self.copy_part(layer, first)
+                layer_done(layer)
+            return
+        ready = [[threading.Event() for _ in range(num_layers)] for _ in rest]
+        errors: list[BaseException] = []
+
+        def helper(k: int, part: tuple[int, int]) -> None:
+            try:
+                for layer in range(num_layers):
+                    self.copy_part(layer, part)
+                    ready[k][layer].set()
+            except BaseException as exc:  # re-raised by the caller's thread
+                errors.append(exc)
+            finally:
+                for ev in ready[k]:      # never leave the caller waiting
+                    ev.set()
+
+        futs = [_copy_threads(len(rest)).submit(helper, k, part) for k, part in enumerate(rest)]
+        try:
+            for layer in range(num_layers):
+                self.copy_part(layer, first)
+                for k in range(len(rest)):
+                    ready[k][layer].wait()
+                if errors:
+                    raise errors[0]
+                layer_done(layer)
+        finally:
+            for f in futs:               # the copy threads are done before anything returns
+                f.result()
+
+
+def _layer_stride(pool, pages: np.ndarray, off0: np.ndarray) -> "int | None":
+    """Bytes between a chunk of layer 0 and the same chunk of layer 1, if that is the same for
+    every chunk (it is for both pool layouts); None otherwise."""
+    d = pool.chunk_offsets(1, pages).reshape(-1) - off0
+    if d.size and not (d == d[0]).all():
+        return None
+    return int(d[0]) if d.size else 0
+
+
 def copy_pages_host(src, src_pages: np.ndarray, dst, dst_pages: np.ndarray, layer: int) -> int:
     """Copy one layer of ``src_pages`` of ``src`` into ``dst_pages`` of ``dst`` (both pools in
-    host memory) in one pass, straight from pool to pool — no gathered temporary, no per-token
-    index. The layer's (page, kind) chunks go to :func:`~engine.cache.hostcopy.copy_chunks`
-    (one native call, or the Python fallback; chunks adjacent on both sides form one run),
-    split across as many threads as torch uses. Returns the bytes copied."""
-    chunk = src.chunk_bytes
-    so = src.chunk_offsets(layer, src_pages).reshape(-1)
-    do = dst.chunk_offsets(layer, dst_pages).reshape(-1)
-    # In source-address order, the reads stream forward through the source pool (the hardware
-    # prefetchers follow); the destination pages of an op are distinct, so the order is free.
-    order = np.argsort(so, kind="stable")
-    so, do = so[order], do[order]
-    n = int(so.size)
-    total = n * chunk
-    dbase, sbase = dst.buf.data_ptr(), src.buf.data_ptr()
-    stream = total >= _STREAM_MIN_BYTES
-    workers = min(_threads(), n, total // _PARALLEL_MIN_BYTES)
-    if workers <= 1:
-        copy_chunks(dbase, sbase, do, so, chunk, stream)
-        return total
-    # Equal chunk counts are equal bytes. Each part is one call that releases the GIL (native)
-    # or a memmove loop (fallback); a run that crosses a cut is copied in two pieces.
-    step = -(-n // workers)
-    futs = [_copy_threads(workers - 1).submit(copy_chunks, dbase, sbase, do[i:i + step],
-                                              so[i:i + step], chunk, stream)
-            for i in range(step, n, step)]
-    copy_chunks(dbase, sbase, do[:step], so[:step], chunk, stream)
-    for f in futs:
-        f.result()
-    return total
+    host memory; see :class:`HostCopy`). Returns the bytes copied."""
+    return HostCopy(src, src_pages, dst, dst_pages).copy_layer(layer)
 
 
 _PARALLEL_MIN_BYTES = 1 << 20
@@ -218,23 +289,29 @@ class TransferEngine:
             if self.debug_delay_s:
                 time.sleep(self.debug_delay_s)
             try:
-                direct = _host_to_host(op.src, op.dst)
-                last = op.num_layers - 1
-                for layer in range(op.num_layers):
-                    if direct:
-                        n = copy_pages_host(op.src, op.src_pages, op.dst, op.dst_pages, layer)
-                    else:
-                        data = op.src.get_layer(layer, op.src_pages)
-                        op.dst.set_layer(layer, op.dst_pages, data)
-                        n = data.numel() * data.element_size()
-                    self.bytes_moved[op.kind.value] += n
-                    if layer == last and hasattr(op.dst, "pages_written"):
-                        # Before completion: whoever reads the pages after it (an L3 put)
-                        # finds what listeners derived (checksums) ready.
-                        op.dst.pages_written(op.dst_pages)
-                    op._finish_layer(layer)
+                self._copy_cpu(op)
             except BaseException as exc:  # surfaced by wait_layer; never swallowed
                 op._fail(exc)
+
+    def _copy_cpu(self, op: TransferOp) -> None:
+        last = op.num_layers - 1
+
+        def layer_done(layer: int, n: int) -> None:
+            self.bytes_moved[op.kind.value] += n
+            if layer == last and hasattr(op.dst, "pages_written"):
+                # Before completion: whoever reads the pages after it (an L3 put) finds what
+                # listeners derived (checksums) ready.
+                op.dst.pages_written(op.dst_pages)
+            op._finish_layer(layer)
+
+        if _host_to_host(op.src, op.dst):
+            plan = HostCopy(op.src, op.src_pages, op.dst, op.dst_pages)
+            plan.run(op.num_layers, lambda layer: layer_done(layer, plan.layer_bytes))
+            return
+        for layer in range(op.num_layers):
+            data = op.src.get_layer(layer, op.src_pages)
+            op.dst.set_layer(layer, op.dst_pages, data)
+            layer_done(layer, data.numel() * data.element_size())
 
     # -- CUDA: a dedicated stream ------------------------------------------------------------
     def _run_cuda(self, op: TransferOp) -> None:
