@@ -203,7 +203,12 @@ def main() -> None:
             raise ValueError
     except ValueError:
         ap.error(f"--only takes step numbers 1-{len(STEPS)}, comma-separated")
-    work = tempfile.mkdtemp(prefix="bench-convert-", dir=a.dir)
+    try:
+        if a.dir:
+            os.makedirs(a.dir, exist_ok=True)
+        work = tempfile.mkdtemp(prefix="bench-convert-", dir=a.dir)
+    except OSError as e:
+        sys.exit(f"bench_convert: cannot use --dir {a.dir}: {e.strerror or e}")
     try:
         free = shutil.disk_usage(work).free
         need = (2 * a.repeat + 2.5) * a.gb * (1 << 30)
