@@ -30,8 +30,9 @@ def timed(args: list[str]) -> tuple[float, float]:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # stderr passes through: on bad input the command's own one-line error says why
     subprocess.run([sys.executable, "-m", "hicache_cli.app", *args], check=True, env=env,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                   stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -74,4 +75,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _errors import run
+    run("bench_replay_cli", main)

@@ -78,4 +78,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _errors import run
+    run("bench_replay_vs_sglang", main)

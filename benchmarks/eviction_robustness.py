@@ -114,4 +114,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from _errors import run
+    raise SystemExit(run("eviction_robustness", main))
