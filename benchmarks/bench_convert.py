@@ -197,6 +197,8 @@ def main() -> None:
                     help="which of a pair runs first in the first pair (then alternating)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if not a.gb > 0 or a.repeat < 1 or a.settle < 0:
+        ap.error("--gb must be > 0, --repeat >= 1 and --settle >= 0")
     try:
         only = sorted({int(x) for x in a.only.split(",")}) if a.only else [1, 2, 3, 4]
         if not all(1 <= x <= len(STEPS) for x in only):
