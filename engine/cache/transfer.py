@@ -45,12 +45,11 @@ class HostCopy:
 
     def __init__(self, src, src_pages: np.ndarray, dst, dst_pages: np.ndarray):
         self.src, self.dst = src, dst
-        self.src_pages, self.dst_pages = src_pages, dst_pages
         self.chunk = src.chunk_bytes
         so = src.chunk_offsets(0, src_pages).reshape(-1)
         do = dst.chunk_offsets(0, dst_pages).reshape(-1)
-        self.order = np.argsort(so)
-        self.so, self.do = so[self.order], do[self.order]
+        order = np.argsort(so)
+        self.so, self.do = so[order], do[order]
         self.strides = (_layer_stride(src, src_pages, so), _layer_stride(dst, dst_pages, do))
         n = int(so.size)
         self.layer_bytes = n * self.chunk
@@ -62,15 +61,9 @@ class HostCopy:
     def copy_part(self, layer: int, part: tuple[int, int]) -> None:
         a, b = part
         s_stride, d_stride = self.strides
-        if s_stride is None or d_stride is None:   # not a fixed stride: this layer's offsets
-            so = self.src.chunk_offsets(layer, self.src_pages).reshape(-1)[self.order]
-            do = self.dst.chunk_offsets(layer, self.dst_pages).reshape(-1)[self.order]
-            s_stride = d_stride = 0
-        else:
-            so, do = self.so, self.do
         copy_chunks(self.dst.buf.data_ptr() + layer * d_stride,
-                    self.src.buf.data_ptr() + layer * s_stride, do[a:b], so[a:b], self.chunk,
-                    self.stream)
+                    self.src.buf.data_ptr() + layer * s_stride, self.do[a:b], self.so[a:b],
+                    self.chunk, self.stream)
 
     def copy_layer(self, layer: int) -> int:
         """One layer, all parts (the caller's thread and the copy threads). Returns its bytes."""
@@ -120,12 +113,11 @@ class HostCopy:
                 f.result()
 
 
-def _layer_stride(pool, pages: np.ndarray, off0: np.ndarray) -> "int | None":
-    """Bytes between a chunk of layer 0 and the same chunk of layer 1, if that is the same for
-    every chunk (it is for both pool layouts); None otherwise."""
+def _layer_stride(pool, pages: np.ndarray, off0: np.ndarray) -> int:
+    """Bytes between a chunk of layer 0 and the same chunk of layer 1: the same for every
+    chunk in both pool layouts (their offsets are affine in the layer)."""
     d = pool.chunk_offsets(1, pages).reshape(-1) - off0
-    if d.size and not (d == d[0]).all():
-        return None
+    assert not d.size or (d == d[0]).all(), "pool chunk offsets are not a per-layer stride"
     return int(d[0]) if d.size else 0
 
 

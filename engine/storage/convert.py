@@ -407,7 +407,7 @@ class _Converter:
         try:
             self._cut_page(ph, objs, w, bufs.take)
             if w.outs:
-                oks = self.dst.backend().put([o.key for o in w.outs], [o.parts for o in w.outs])
+                oks = self.dst.put([o.key for o in w.outs], [o.parts for o in w.outs])
                 self._written(w, w.outs, oks)
         except (InputError, StorageError) as e:
             w.error = e

@@ -107,8 +107,9 @@ def map_source(fd: int, size: int) -> mmap.mmap | None:
     """The file's ``size`` bytes mapped read-only (the page cache itself: no copy into user
     memory), or None when the file is not exactly ``size`` bytes long or cannot be mapped.
 
-    Source objects are at rest: a store replaces an object by renaming a new file over it and
-    never truncates one in place, so the file keeps the size checked here while it is mapped
+    Source objects are at rest: a store never rewrites or truncates an object file in place
+    (it links or renames whole new files into place), so the file keeps the size checked here
+    while it is mapped
     (reading past a truncated file's end would be a SIGBUS, not an error). The mapping is
     released when the last view of it goes (a page's sources, cuts and comparisons)."""
     try:

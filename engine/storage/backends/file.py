@@ -421,8 +421,9 @@ class FileBackend:
             return None
 
     def publish(self, staged: Sequence[Staged | None]) -> list[bool]:
-        """Rename staged objects into place under one lock (an object already there is kept:
-        content-addressed); per object, whether it is stored now. None entries answer False."""
+        """Link (or rename) staged objects into place under one lock (an object already there
+        is kept: content-addressed); per object, whether it is stored now. None entries answer
+        False."""
         out = [False] * len(staged)
         todo = [(i, s) for i, s in enumerate(staged) if s is not None]
         if todo:
