@@ -26,6 +26,7 @@ import datetime
 import logging
 import os
 import signal
+import sys
 import time
 from typing import Any, Callable
 
@@ -375,7 +376,8 @@ class PipelineScheduler(Scheduler):
 def stage_worker(rank: int, world: int, addr: str, cfg: Any, timeout_s: float) -> None:
     """Main of a pipeline rank process (global ``rank >= 1`` of ``world = pp × tp × cp``): join
     the group at the rendezvous ``addr`` (HOST:PORT), build its stage (stage ``rank // (tp·cp)``,
-    group rank ``rank % (tp·cp)``), serve until rank 0 says stop."""
+    group rank ``rank % (tp·cp)``), serve until rank 0 says stop. A lost group (a peer died or
+    hung) is one line and exit code 1."""
     import torch.distributed as dist
 
     from engine.runtime.serving.runtime import Engine
@@ -396,7 +398,12 @@ def stage_worker(rank: int, world: int, addr: str, cfg: Any, timeout_s: float) -
         first = str(exc).splitlines()[0][:200] if str(exc) else ""
         log.error("pipeline %s lost its group (rank 0 or another rank stopped): %s: %s",
                   rank_name(rank, cfg.tp, cfg.cp), type(exc).__name__, first)
-        raise SystemExit(1) from None
+        # Exit now, code 1, without tearing down: taking apart groups whose collectives timed
+        # out can end in std::terminate inside gloo (exit code -6, seen with --pp 2 --tp 2 and
+        # a hung peer), and rank 0 would then name this rank as the one that died.
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(1)
     finally:
         eng.stop()
         if dist.is_initialized():       # the engine of a TP rank destroys it itself
