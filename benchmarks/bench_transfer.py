@@ -15,6 +15,9 @@ Reported: GB/s (1e9 bytes/s) of the best of ``--repeat`` runs each and ``*_ratio
 On a machine without CUDA both "devices" are host memory (L1 on CPU, as the CPU build runs), and
 ``copy_path`` in the output says which host copy loop ran: ``native`` (the C loop,
 engine/cache/hostcopy.py) or ``python`` (the fallback; ``HICACHE_NATIVE_COPY=0`` forces it).
+On CUDA each row's ``copy_path`` says how L2 was reached: ``mapped`` (pinned L2 seen in the
+device's address space, gather/scatter kernels move the pages; the default) or ``staged``
+(gather into a temporary, copy, scatter; ``HICACHE_UVA_COPY=0`` forces it).
 
     .venv/bin/python benchmarks/bench_transfer.py [--mib 128] [--repeat 30] [--json]
         [--layers 8 --kv-heads 8 --head-dim 128 --dtype bfloat16] [--pattern scattered]
@@ -89,6 +92,8 @@ def bench_one(host_layout: str, page_size: int, args, device: str) -> dict:
     hdev = dev if pin else _host_buffer((elems,), lay.torch_dtype).normal_()
     out = {"host_layout": host_layout, "page_size": page_size, "pages": int(n),
            "bytes": int(nbytes)}
+    if pin:
+        out["copy_path"] = "mapped" if l2.device_alias() is not None else "staged"
     for name, fn, raw, hraw in (
             ("load", lambda: run(OpKind.LOAD, l2, l2_pages, l1, l1_pages),
              lambda: dev.copy_(host, non_blocking=pin),
@@ -163,7 +168,7 @@ def main(argv=None) -> int:
                       f"ratio {r['backup_ratio']:.2f})", flush=True)
     ratios = [r[k] for r in rows for k in ("load_ratio", "backup_ratio")]
     summary = {"device": device, "pattern": args.pattern, "threads": torch.get_num_threads(),
-               "copy_path": copy_path(),
+               "copy_path": copy_path() if device == "cpu" else rows[0].get("copy_path"),
                "layout": {"layers": args.layers, "kv_heads": args.kv_heads,
                           "head_dim": args.head_dim, "dtype": args.dtype},
                "results": rows, "min_ratio": min(ratios)}

@@ -15,6 +15,8 @@ tree's. Every accessor works on page ids.
 from __future__ import annotations
 
 import ctypes
+import logging
+import os
 
 import numpy as np
 import torch
@@ -51,6 +53,30 @@ def _host_buffer(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         pass
     mem.zero_()
     return mem.view(dtype).view(shape)
+
+
+def _word_dtype(chunk_bytes: int) -> torch.dtype:
+    """The widest integer type a (page, layer, kind) chunk is a whole number of: copies move
+    words of it (fewer, wider accesses; the bytes are the same whatever the KV dtype)."""
+    for nbytes, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
+        if chunk_bytes % nbytes == 0:
+            return dtype
+    return torch.uint8
+
+
+def _words(buf: torch.Tensor, lay: KVLayout, shape: tuple) -> torch.Tensor:
+    """``buf``'s bytes as ``shape`` (its last axis: the words of one chunk)."""
+    chunk = _chunk_bytes(lay, buf.element_size())
+    return buf.reshape(-1).view(torch.uint8).view(_word_dtype(chunk)).view(shape)
+
+
+class _CudaArray:
+    """Describes pinned host memory to torch as CUDA memory (``__cuda_array_interface__``):
+    with unified addressing a kernel reads and writes it in place over the bus."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                         "data": (ptr, False), "strides": None, "version": 2}
 
 
 def _chunk_bytes(layout: KVLayout, elem: int) -> int:
@@ -97,6 +123,12 @@ class DevicePool:
         """Bytes of one (page, layer, kind) chunk, the unit :meth:`chunk_offsets` locates."""
         return _chunk_bytes(self.layout, self.buf.element_size())
 
+    def layer_words(self, layer: int) -> torch.Tensor:
+        """One layer as ``[kv_kinds, pages, words of a chunk]`` (a view of ``buf``): page ids
+        index axis 1."""
+        lay = self.layout
+        return _words(self.buf, lay, (lay.num_layers, lay.kv_kinds, self.num_pages, -1))[layer]
+
     def chunk_offsets(self, layer: int, pages: np.ndarray) -> np.ndarray:
         """Byte offsets in ``buf`` of each (kind, page) chunk of one layer: ``[kinds, n]``."""
         return _layer_major_offsets(self.layout, self.num_pages, self.buf.element_size(),
@@ -134,6 +166,8 @@ class HostPool:
         # bytes (an L3 object checksum) is valid only for the generation it was computed at.
         self.write_gen = np.zeros(num_pages, dtype=np.int64)
         self._write_listeners: list = []
+        self._alias: torch.Tensor | None = None
+        self._alias_tried = False
 
     # Write tracking -----------------------------------------------------------------------
     def mark_written(self, pages: np.ndarray) -> None:
@@ -152,6 +186,26 @@ class HostPool:
     def pages_written(self, pages: np.ndarray) -> None:
         for fn in list(self._write_listeners):
             fn(pages)
+
+    def device_alias(self) -> torch.Tensor | None:
+        """``buf`` as a CUDA tensor over the same (pinned) bytes, so GPU kernels copy pages
+        between it and L1 directly, none staged; ``None`` where that is not possible (not
+        pinned, no CUDA, the driver refuses the pointer, or ``HICACHE_UVA_COPY=0``)."""
+        if not self._alias_tried:
+            self._alias_tried = True
+            self._alias = _pinned_alias(self.buf)
+        return self._alias
+
+    def layer_words(self, layer: int, base: torch.Tensor | None = None) -> torch.Tensor:
+        """One layer as ``[kv_kinds, pages, words of a chunk]``, like
+        :meth:`DevicePool.layer_words`, over ``base`` (default ``buf``; or its
+        :meth:`device_alias`). A strided view in ``page_first``."""
+        lay = self.layout
+        base = self.buf if base is None else base
+        if self.host_layout is HostLayout.LAYER_FIRST:
+            return _words(base, lay, (lay.num_layers, lay.kv_kinds, self.num_pages, -1))[layer]
+        words = _words(base, lay, (self.num_pages, lay.num_layers, lay.kv_kinds, -1))
+        return words[:, layer].transpose(0, 1)
 
     def get_layer(self, layer: int, pages: np.ndarray) -> torch.Tensor:
         """Same shape as :meth:`DevicePool.get_layer`, whatever the host layout."""
@@ -211,3 +265,30 @@ class HostPool:
         else:
             s = page * lay.page_size
             self.buf[:, :, s:s + lay.page_size].copy_(data)
+
+
+def _pinned_alias(buf: torch.Tensor) -> torch.Tensor | None:
+    """A CUDA tensor (uint8, flat) over pinned ``buf``'s bytes, checked by reading it back
+    once; ``None`` where not possible. See :class:`_CudaArray`."""
+    log = logging.getLogger("hicache.transfer")
+    if os.environ.get("HICACHE_UVA_COPY", "1") == "0":
+        return None
+    if buf.device.type != "cpu" or not buf.is_contiguous() or not torch.cuda.is_available() \
+            or not buf.is_pinned():
+        return None
+    nbytes = buf.numel() * buf.element_size()
+    try:
+        alias = torch.as_tensor(_CudaArray(buf.data_ptr(), nbytes), device="cuda")
+        probe = min(nbytes, 4096)
+        # through a kernel (not a copy engine), the way the transfers will touch it
+        ok = torch.equal(alias[:probe].bitwise_xor(0).cpu(),
+                         buf.reshape(-1).view(torch.uint8)[:probe])
+    except (RuntimeError, TypeError, ValueError) as exc:
+        log.warning("L2 pages copy through staging buffers: pinned memory not mappable (%s)",
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return None
+    if not ok:
+        log.warning("L2 pages copy through staging buffers: mapped pinned memory read back "
+                    "wrong bytes")
+        return None
+    return alias

@@ -5,8 +5,12 @@ caller *prepares* (allocates destination pages, builds the op), *submits*, and l
 it (the cache commits the destination tier when :meth:`TransferOp.done` is true). In-flight data
 is never a hit.
 
-* On CUDA, copies run on a dedicated stream (the copy engines); each layer records an event and
-  :meth:`TransferOp.wait_layer` makes the current stream wait on it.
+* On CUDA, copies run on a dedicated stream; each layer records an event and
+  :meth:`TransferOp.wait_layer` makes the current stream wait on it. Pinned L2 is mapped into
+  the device's address space (:meth:`HostPool.device_alias`), so a layer is one gather kernel
+  and one scatter kernel that move the scattered pages over the bus themselves, with nothing
+  staged and the caller never blocked (:func:`copy_layer_words`); wrapped pools, or a driver
+  that refuses the mapping, go through ``get_layer``/``set_layer`` instead.
 * On CPU, a worker thread performs the same per-layer copies and sets one ``threading.Event``
   per layer: the same code path, the same ordering guarantees. Between two host pools a layer
   is one list of chunks copied pool to pool (:class:`HostCopy`, :mod:`.hostcopy`); otherwise
@@ -23,12 +27,15 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
 from engine.cache.hostcopy import copy_chunks
 from formats.ranklog_events import OpId
+
+if TYPE_CHECKING:
+    import torch
 
 
 class HostCopy:
@@ -156,6 +163,34 @@ def _host_to_host(src, dst) -> bool:
             and db.device.type == "cpu" and sb.dtype == db.dtype and sb.is_contiguous()
             and db.is_contiguous() and hasattr(src, "chunk_offsets")
             and hasattr(dst, "chunk_offsets") and src.layout == dst.layout)
+
+
+def copy_layer_words(src: "torch.Tensor", src_idx: "torch.Tensor", dst: "torch.Tensor",
+                     dst_idx: "torch.Tensor") -> "torch.Tensor":
+    """Pages ``src_idx`` of one layer's ``[kinds, pages, words]`` view into pages ``dst_idx``
+    of another: one gather, one scatter, on whatever device the views live (on CUDA, one of
+    them may be pinned host memory seen through :meth:`HostPool.device_alias`, so the kernel
+    itself moves the bytes over the bus). Returns the gathered words (their size is the bytes
+    moved)."""
+    data = src.index_select(1, src_idx)
+    dst.index_copy_(1, dst_idx, data)
+    return data
+
+
+def _mapped_views(src, dst):
+    """``(src_view, dst_view)`` (each ``layer -> [kinds, pages, words]``) for an L1 <-> L2 op
+    on CUDA whose host side maps into the device's address space; ``None`` where the op must
+    go through ``get_layer``/``set_layer`` (wrapped pools, unpinned L2, mapping refused)."""
+    def view(pool):
+        if not hasattr(pool, "device_alias"):                   # L1
+            return pool.layer_words if pool.buf.is_cuda else None
+        alias = pool.device_alias()                             # L2
+        return None if alias is None else (lambda layer: pool.layer_words(layer, alias))
+
+    if not (hasattr(src, "layer_words") and hasattr(dst, "layer_words")):
+        return None
+    sv, dv = view(src), view(dst)
+    return None if sv is None or dv is None else (sv, dv)
 
 
 class OpKind(str, enum.Enum):
@@ -313,10 +348,17 @@ class TransferEngine:
             self._stream = torch.cuda.Stream()
         op._cuda_events = []
         self._stream.wait_stream(torch.cuda.current_stream())
+        views = _mapped_views(op.src, op.dst)
         with torch.cuda.stream(self._stream):
+            if views is not None:
+                src_idx = torch.as_tensor(op.src_pages).to(self.device, non_blocking=True)
+                dst_idx = torch.as_tensor(op.dst_pages).to(self.device, non_blocking=True)
             for layer in range(op.num_layers):
-                data = op.src.get_layer(layer, op.src_pages)
-                op.dst.set_layer(layer, op.dst_pages, data)
+                if views is not None:
+                    data = copy_layer_words(views[0](layer), src_idx, views[1](layer), dst_idx)
+                else:
+                    data = op.src.get_layer(layer, op.src_pages)
+                    op.dst.set_layer(layer, op.dst_pages, data)
                 ev = torch.cuda.Event()
                 ev.record(self._stream)
                 op._cuda_events.append(ev)
