@@ -100,7 +100,10 @@ def policy_list(flag: str, text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-_display_type_rich = typer.core.TyperOption.display_type_rich
+# A flag's help row shows no type (``--verify`` rather than ``--verify BOOLEAN``). A private
+# hook of typer's rich help, present in the versions pinned here; with other typer versions the
+# help just keeps typer's own rendering.
+_display_type_rich = getattr(typer.core.TyperOption, "display_type_rich", None)
 
 
 def _flag_shows_no_type(self, ctx):  # type: ignore[no-untyped-def]
@@ -109,4 +112,5 @@ def _flag_shows_no_type(self, ctx):  # type: ignore[no-untyped-def]
     return _display_type_rich(self, ctx)
 
 
-typer.core.TyperOption.display_type_rich = _flag_shows_no_type  # type: ignore[method-assign]
+if _display_type_rich is not None:
+    typer.core.TyperOption.display_type_rich = _flag_shows_no_type  # type: ignore[method-assign]
