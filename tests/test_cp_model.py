@@ -54,7 +54,7 @@ def _rank(rank: int, world: int) -> dict:
 
 def _one_model(spec: str, rank: int, world: int) -> dict:
     shape = CPShape(world, PS)
-    model = load_model(spec)
+    model = load_model(spec, "cpu")              # bit for bit: the exact (CPU) kernels
     lay = model.kv_layout(PS)
     a = _prompt(45, 1)
     b = a[:32] + _prompt(13, 2)                   # shares A's first two pages

@@ -17,7 +17,7 @@ runner = CliRunner()
 @pytest.fixture(scope="module")
 def server():
     # L1 of 256 tokens thrashes; L2 holds every history, so later rounds hit on the host tier.
-    with start_server(ServerConfig(port=0, l1_tokens=256, l2_tokens=8192)) as handle:
+    with start_server(ServerConfig(port=0, l1_tokens=256, l2_tokens=8192, device="cpu")) as handle:
         yield handle
 
 
@@ -109,7 +109,7 @@ def test_cli_run(server, tmp_path, fmt):
 
 
 def test_cli_agentic_scales_down_on_cpu():
-    with start_server(ServerConfig(port=0, l1_tokens=4096, l2_tokens=0)) as big:
+    with start_server(ServerConfig(port=0, l1_tokens=4096, l2_tokens=0, device="cpu")) as big:
         r = runner.invoke(app, ["bench", "run", "--url", big.url, "-w", "agentic",
                                 "--num-clients", "1", "--num-rounds", "2", "--format", "json"])
     assert r.exit_code == 0, r.output

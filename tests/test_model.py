@@ -19,7 +19,21 @@ PS = 16
 
 @pytest.fixture(scope="module", params=["tiny", "tiny-mla"])
 def model(request):
-    return load_model(request.param)
+    # the exact (batch-invariant) kernels these tests check bit for bit are the CPU path;
+    # CUDA's fused attention agrees at the token level (tests/test_model_gpu.py)
+    return load_model(request.param, "cpu")
+
+
+@pytest.fixture(params=["default", 16])
+def threads(request):
+    """The bitwise checks run with torch's own thread count and with 16 threads: CPU GEMM
+    kernels split rows between threads, and the few rows left over once took another code path
+    (different bits) on a 16-core machine."""
+    before = torch.get_num_threads()
+    if request.param != "default":
+        torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
 
 
 def _pool(model, pages=160):
@@ -49,7 +63,7 @@ def test_kv_layout_gqa_and_mla():
     assert mla.token_bytes_per_layer < gqa.token_bytes_per_layer
 
 
-def test_chunking_does_not_change_a_bit(model):
+def test_chunking_does_not_change_a_bit(model, threads):
     """KV and logits are bitwise identical however the prompt is split into chunks."""
     toks = _prompt(500)
     pool = _pool(model)
@@ -63,7 +77,7 @@ def test_chunking_does_not_change_a_bit(model):
         assert torch.equal(ka, pool.get_layer(layer, pc)[:, :500])
 
 
-def test_batch_mates_do_not_change_a_bit(model):
+def test_batch_mates_do_not_change_a_bit(model, threads):
     """A request's logits do not depend on what else is in the batch (continuous batching)."""
     pool = _pool(model)
     toks, other = _prompt(300, 1), _prompt(120, 2)
@@ -78,6 +92,20 @@ def test_batch_mates_do_not_change_a_bit(model):
         s += n
     assert out.shape == (2, model.cfg.vocab_size)
     assert torch.equal(out[1], alone[0])
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 19, 25, 27, 40, 101])
+def test_products_give_each_row_the_same_bits_at_any_row_count(threads, rows):
+    from engine.runtime.model import ops
+
+    g = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(512, 256, generator=g), torch.randn(128, 256, generator=g)
+    assert torch.equal(ops.linear(x[:rows], w), ops.linear(x, w)[:rows])
+    a, b = torch.randn(2, 128, 64, generator=g), torch.randn(2, 64, 96, generator=g)
+    assert torch.equal(ops.bmm(a[:, :rows], b), ops.bmm(a, b)[:, :rows])
+    for width in (768, 100):        # elementwise: split between threads by element count
+        h = torch.randn(1100, width, generator=g)
+        assert torch.equal(ops.silu(h[:rows * 11]), ops.silu(h)[:rows * 11])
 
 
 def test_attention_reads_the_pool(model):

@@ -60,3 +60,18 @@ def test_server_on_cuda_reports_cached_tokens():
         assert b["meta_info"]["cached_tokens_details"]["device"] >= 192
         info = requests.get(h.url + "/get_server_info", timeout=30).json()
         assert info["device"].startswith("cuda") and not info["exact_kernels"]
+
+
+def test_no_logits_wanted_still_answers_on_the_model_device():
+    """A micro-batch with no logits wanted (a pipeline's last stage concatenates them with
+    other micro-batches' logits) gets an empty tensor on the model's device, not the host."""
+    model = load_model("tiny", "cuda")
+    cache = HiCache(CacheConfig(page_size=PS, l1_tokens=1024, device="cuda",
+                                layout=model.kv_layout(PS)))
+    pages = cache.alloc(2)
+    none = model.forward([Chunk(list(range(20)), 0, pages, logits=False)], cache.l1.buf, PS)
+    empty = model.forward([], cache.l1.buf, PS)
+    some = model.forward([Chunk([5], 20, pages)], cache.l1.buf, PS)
+    assert none.shape == empty.shape == (0, model.cfg.vocab_size)
+    assert none.is_cuda and empty.is_cuda
+    assert torch.cat([none, some]).shape == (1, model.cfg.vocab_size)

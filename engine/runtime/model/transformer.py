@@ -136,7 +136,7 @@ class Model:
         cfg = self.cfg
         hooks = list(layer_hooks)
         if not chunks:
-            return torch.empty((0, cfg.vocab_size), dtype=torch.float32)
+            return torch.empty((0, cfg.vocab_size), dtype=torch.float32, device=self.device)
         lens = [len(c) for c in chunks]
         for c, n in zip(chunks, lens):
             if n < 1:
@@ -182,7 +182,7 @@ class Model:
             h = ops.rms_norm(x, lw.mlp_norm, cfg.rms_eps)
             gu = ops.linear(h, lw.w_gate_up, self.exact)
             g, u = gu.split(cfg.intermediate, dim=-1)
-            x = x + self._reduced(ops.linear(torch.nn.functional.silu(g) * u, lw.w_down,
+            x = x + self._reduced(ops.linear(ops.silu(g, self.exact) * u, lw.w_down,
                                              self.exact))
 
         if hidden_out:
@@ -190,7 +190,7 @@ class Model:
         want = [i for c, b in zip(chunks, bounds)
                 for i in (range(b[0], b[1]) if c.all_logits else [b[1] - 1] if c.logits else [])]
         if not want:
-            return torch.empty((0, cfg.vocab_size), dtype=torch.float32)
+            return torch.empty((0, cfg.vocab_size), dtype=torch.float32, device=dev)
         last = x[torch.as_tensor(want, device=dev)]
         last = ops.rms_norm(last, self.w.final_norm, cfg.rms_eps)
         return ops.linear(last, self.w.lm_head, self.exact).float()
