@@ -21,7 +21,9 @@ one at a time and later re-read as part of a prompt), so on the exact path every
   masked keys add exact zeros to it.
 
 The ``sdpa`` path (default on CUDA) uses PyTorch's fused attention instead; it is faster and
-agrees at the token level, not bitwise.
+agrees at the token level, not bitwise. A chunk whose queries are the last positions of its
+keys (every prefill and decode chunk the model runs) of 64 queries or more takes one fused call
+with a lower-right causal bias; other shapes pass an explicit mask, in passes.
 """
 
 from __future__ import annotations
@@ -118,15 +120,62 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-              scale: float, exact: bool = True) -> torch.Tensor:
+              scale: float, exact: bool = True, tail: bool = False) -> torch.Tensor:
     """Causal attention of queries at absolute positions ``q_pos`` over keys ``0..T-1``.
 
     ``q [M, Hq, Dk]``, ``k [T, Hkv, Dk]``, ``v [T, Hkv, Dv]`` (Hq a multiple of Hkv);
-    returns ``[M, Hq, Dv]``. Query ``m`` sees keys ``0..q_pos[m]``.
+    returns ``[M, Hq, Dv]``. Query ``m`` sees keys ``0..q_pos[m]``. ``tail``: the caller
+    promises the queries are the last ``M`` positions, ``q_pos == T-M .. T-1`` (a prefill or
+    decode chunk over its own prefix), which lets the fused path skip the explicit mask.
     """
     if exact:
         return _attention_exact(q, k, v, q_pos, scale)
+    if tail and _CAUSAL_MIN_QUERIES <= q.shape[0] <= k.shape[0] and _causal_tail_usable():
+        try:
+            return _attention_sdpa_tail(q, k, v, scale)
+        except (RuntimeError, ValueError) as exc:   # a kernel refusing these shapes: masked path
+            _disable_causal_tail(exc)
     return _attention_sdpa(q, k, v, q_pos, scale)
+
+
+# Queries from which a tail chunk takes the fused causal path (fewer: decode and short chunks,
+# where the masked path's score tensor is small anyway).
+_CAUSAL_MIN_QUERIES = 64
+_causal_tail_state = {"usable": True}
+
+
+def _causal_tail_usable() -> bool:
+    return _causal_tail_state["usable"]
+
+
+def _disable_causal_tail(exc: BaseException) -> None:
+    import logging
+
+    _causal_tail_state["usable"] = False
+    logging.getLogger("hicache.model").warning(
+        "fused causal attention refused (%s); using masked attention from now on",
+        str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+
+
+def _attention_sdpa_tail(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """Fused attention for queries that are the last ``M`` of ``T`` positions: one call with a
+    lower-right causal bias (query ``m`` sees keys ``0..T-M+m``), no mask in memory and no
+    passes — the masked path needs ``M·T·heads`` scores per pass and, on a 32k-token prompt,
+    a thousand passes per layer. The kv heads are repeated to the query heads (the fused
+    kernels that take a causal bias do not all take grouped heads)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    M, Hq, _ = q.shape
+    T, Hkv, _ = k.shape
+    G = Hq // Hkv
+    kt, vt = k.transpose(0, 1), v.transpose(0, 1)                       # [Hkv, T, D]
+    if G > 1:
+        kt, vt = kt.repeat_interleave(G, dim=0), vt.repeat_interleave(G, dim=0)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), kt.unsqueeze(0),
+                                       vt.unsqueeze(0), attn_mask=causal_lower_right(M, T),
+                                       scale=scale)
+    return o[0].transpose(0, 1)
 
 
 def _attention_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,

@@ -211,7 +211,8 @@ class Model:
         out = torch.empty_like(q)
         for i, (s, e) in enumerate(bounds):
             keys, values = io.keys(li, i)
-            out[s:e] = ops.attention(q[s:e], keys, values, pos[s:e], self.scale, self.exact)
+            out[s:e] = ops.attention(q[s:e], keys, values, pos[s:e], self.scale, self.exact,
+                                     tail=True)
         io.done(li)
         return out.reshape(M, Hq * D)
 
@@ -240,7 +241,7 @@ class Model:
         for i, (s, e) in enumerate(bounds):
             keys, = io.keys(li, i)
             o_lat[s:e] = ops.attention(q_full[s:e], keys, keys, pos[s:e], self.scale,
-                                       self.exact)
+                                       self.exact, tail=True)
         io.done(li)
         # o[h] = o_lat[h][:dc] @ W_uv[h]: [Hq, M, dc] @ [Hq, dc, dv]
         o = ops.bmm(o_lat[..., :dc].transpose(0, 1).contiguous(), lw.w_uv, self.exact)
