@@ -243,16 +243,25 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-@pytest.mark.parametrize("unnamed", [True, False])
+@pytest.mark.parametrize("how", ["unnamed", "unnamed-proc", "named"])
 def test_staged_objects_leave_nothing_behind_and_the_first_copy_stays(tmp_path, monkeypatch,
-                                                                      unnamed):
+                                                                      how):
+    from engine.storage.backends import file
     from engine.storage.backends.file import STAGE_BATCH
 
+    unnamed = how != "named"
     if not unnamed:                       # as on a filesystem without O_TMPFILE
         monkeypatch.setattr(FileBackend, "_unnamed_files", lambda self: None)
+    if how == "unnamed-proc":             # as for a process the kernel refuses linkat(fd, "")
+
+        def refused(fd, dir_fd, name):
+            raise PermissionError(1, "Operation not permitted", name)
+        monkeypatch.setattr(file, "_fd_linker", lambda: refused)
     b = open_store(tmp_path / "s")
     if unnamed and b._objfd is None:
         pytest.skip("this filesystem cannot link unnamed files into place")
+    if how == "unnamed-proc":
+        assert b._link is file._proc_link
     tmp, key = tmp_path / "s" / "tmp", "ab" * 32
     fds = open_fds()
     st = b.stage(key, [b"first ", np.arange(10, dtype=np.uint8)])
@@ -281,4 +290,7 @@ def test_large_payloads_are_written_in_full_by_capped_calls(tmp_path):
     assert b.put(["ab" * 32], [parts]) == [True]
     raw = open(b.object_path("ab" * 32), "rb").read()
     assert raw == b"".join(bytes(memoryview(p)) for p in parts)
+    one = np.arange(2 * WRITE_CHUNK + 5, dtype=np.uint8)      # one buffer, several calls
+    assert b.put(["cd" * 32], [[one]]) == [True]
+    assert open(b.object_path("cd" * 32), "rb").read() == one.tobytes()
     b.close()

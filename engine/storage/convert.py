@@ -40,6 +40,7 @@ from engine.core.errors import InputError, StorageError
 from engine.core.layout import KVLayout
 from engine.storage.backend import FileRange
 from engine.storage.convert_io import (
+    Assembly,
     Buffers,
     Recipe,
     Source,
@@ -56,6 +57,7 @@ from formats.kvobject import (
     MAX_LAYOUT_BYTES,
     KVObjectCodec,
     KVObjectError,
+    checksum,
     checksum_parts,
     header_len_for,
     parse_header,
@@ -336,6 +338,7 @@ class _Converter:
         self._local = threading.local()
         self._geometry: dict[tuple, list[Recipe | None]] = {}
         self._suffixes = [t.suffix for t in p.tiles]
+        self._header_lens = [c.header_len for c in p.codecs]
 
     # -- driving -------------------------------------------------------------------------------
     def threaded(self, workers: int, progress) -> None:
@@ -403,9 +406,10 @@ class _Converter:
         bufs = getattr(self._local, "bufs", None)
         if bufs is None:
             bufs = self._local.bufs = Buffers()
+            self._local.assemblies = {}
         w = _Page()
         try:
-            self._cut_page(ph, objs, w, bufs.take)
+            self._cut_page(ph, objs, w, bufs.take, self._local.assemblies)
             if w.outs:
                 oks = self.dst.put([o.key for o in w.outs], [o.parts for o in w.outs])
                 self._written(w, w.outs, oks)
@@ -417,9 +421,12 @@ class _Converter:
             bufs.release()
         return w
 
-    def _cut_page(self, ph: bytes, objs: list[SourceObject], w: _Page, take) -> None:
+    def _cut_page(self, ph: bytes, objs: list[SourceObject], w: _Page, take,
+                  assemblies: dict | None = None) -> None:
         """Read and check the page's sources, cut its target objects into ``w.outs`` (those
-        the destination holds already are compared, not written)."""
+        the destination holds already are compared, not written). ``assemblies``: this
+        thread's :class:`Assembly` per recipe list, reused page after page (only where the
+        page is written and compared before the next one is cut)."""
         p, counts = self.p, w.counts
         srcs: list[Source] = []
         for o in objs:
@@ -432,11 +439,24 @@ class _Converter:
             else:
                 srcs.append(s)
         hexph = ph.hex()
-        for r in self._recipes(srcs, p.out[ph]):
+        rs = self._recipes(srcs, p.out[ph])
+        asm = self._assembly(rs, assemblies) if assemblies is not None else None
+        for r in rs:
             if r is None:
                 counts["not_produced"] += 1
                 continue
-            t, key = p.tiles[r.index], f"{hexph}.{self._suffixes[r.index]}"
+            key = f"{hexph}.{self._suffixes[r.index]}"
+            if asm is not None and r.copies:    # header and payload in one kept buffer
+                whole, head, payload, copies = asm.slots[r.index]
+                Assembly.fill(copies, srcs)
+                p.codecs[r.index].fill_header(head, ph, len(payload), checksum(payload))
+                if key in p.present:
+                    self._same(key, head, [payload])
+                    counts["skipped_present"] += 1
+                else:
+                    w.outs.append(_Out(key, [whole], head, [payload], len(whole)))
+                continue
+            t = p.tiles[r.index]
             if r.runs:
                 pieces = [srcs[i].payload[a:a + n] for i, a, n in r.runs]
                 psum = srcs[r.runs[0][0]].checksum if r.whole else checksum_parts(pieces)
@@ -474,6 +494,17 @@ class _Converter:
             got = self._geometry[sig] = recipes(self.p.tiles, wanted, srcs,
                                                 self.p.target_order, self.ranges)
         return got
+
+    def _assembly(self, rs: list[Recipe | None], assemblies: dict) -> Assembly | None:
+        got = assemblies.get(id(rs))
+        if got is None or got[0] is not rs:
+            if not any(r is not None and r.copies for r in rs):
+                return None
+            if len(assemblies) >= 8:        # many source shapes: keep the memory bounded
+                assemblies.clear()
+            got = assemblies[id(rs)] = (rs, Assembly(rs, self.p.tiles, self._header_lens,
+                                                     self.p.target_order))
+        return got[1]
 
     def _written(self, w: _Page, outs: list[_Out], oks: list[bool]) -> None:
         """Count what the destination took; verify it; a refusal becomes ``w.error``."""

@@ -66,8 +66,15 @@ class Source:
     header_len: int
 
 
+_ROW_DTYPES: dict[int, np.dtype] = {}
+
+
 def row_dtype(layout: KVLayout) -> np.dtype:
-    return np.dtype((np.void, layout.head_dim * layout.itemsize))
+    n = layout.head_dim * layout.itemsize
+    dt = _ROW_DTYPES.get(n)
+    if dt is None:
+        dt = _ROW_DTYPES[n] = np.dtype((np.void, n))
+    return dt
 
 
 def rows_of(payload, region: KVLayout, order: KVOrder) -> np.ndarray:
@@ -238,6 +245,34 @@ def apply_cut(r: Recipe, tile: Tile, srcs: list[Source], order: KVOrder, take,
     for p, ssl, dsl in r.copies:
         dest[dsl] = srcs[p].rows[ssl]
     return out
+
+
+class Assembly:
+    """Where a page's assembled target objects (``copies`` recipes) are built, one thread's, kept
+    across pages with the same recipes: header then payload, contiguous per object, all in one
+    buffer; the row views each copy writes into are worked out once, here.
+
+    ``slots[recipe index]``: (the whole object, its header, its payload as flat bytes, the
+    copies as ``(source position, source row slices, target rows view)``)."""
+
+    def __init__(self, recipes: list, tiles: list[Tile], header_lens: list[int], order: KVOrder):
+        todo = [r for r in recipes if r is not None and not r.runs and r.view is None]
+        sizes = [header_lens[r.index] + tiles[r.index].payload_len for r in todo]
+        self.buf = np.empty(sum(sizes), dtype=np.uint8)
+        self.slots: dict[int, tuple] = {}
+        at = 0
+        for r, size in zip(todo, sizes):
+            whole = self.buf[at:at + size]
+            hl, tile = header_lens[r.index], tiles[r.index]
+            dest = rows_of(whole[hl:], tile.layout, order)
+            self.slots[r.index] = (memoryview(whole), memoryview(whole)[:hl], whole[hl:],
+                                   tuple((p, ssl, dest[dsl]) for p, ssl, dsl in r.copies))
+            at += size
+
+    @staticmethod
+    def fill(copies: tuple, srcs: list[Source]) -> None:
+        for p, ssl, dest in copies:
+            dest[...] = srcs[p].rows[ssl]
 
 
 def cut(tile: Tile, srcs: list[Source], order: KVOrder, take) -> np.ndarray:

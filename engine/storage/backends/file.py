@@ -10,7 +10,8 @@ Layout of the store directory::
     quarantine/<key>.<ns>      corrupt objects taken out of service (the newest few are kept)
 
 * **Atomic writes.** An object is written to an unnamed file (``O_TMPFILE`` in ``tmp/``) and
-  linked into place whole (``linkat``), so a reader never sees a partial object and a crash
+  linked into place whole (``linkat`` of the descriptor itself where the kernel allows it to this
+  process, else of ``/proc/self/fd/N``), so a reader never sees a partial object and a crash
   leaves nothing behind. Where the filesystem or ``/proc`` does not allow that, it is written to
   a named temp file in ``tmp/`` and renamed into place (a crash leaves only that temp file,
   which the next eviction pass removes).
@@ -33,6 +34,7 @@ Layout of the store directory::
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import itertools
@@ -157,6 +159,32 @@ def _discard(st: Staged) -> None:
             os.unlink(st.tmp)
 
 
+AT_EMPTY_PATH = 0x1000
+
+
+def _fd_linker():
+    """``link(fd, dir_fd, name)``: ``linkat(fd, "", dir_fd, name, AT_EMPTY_PATH)`` through libc
+    (no path walk through ``/proc``), or None where libc has no ``linkat``. The kernel allows
+    it only to a process that may search any directory (CAP_DAC_READ_SEARCH): the caller probes
+    it once and otherwise links ``/proc/self/fd/N``."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).linkat
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+    fn.restype = ctypes.c_int
+
+    def link(fd: int, dir_fd: int, name: str) -> None:
+        if fn(fd, b"", dir_fd, os.fsencode(name), AT_EMPTY_PATH) != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, os.strerror(e), name)
+    return link
+
+
+def _proc_link(fd: int, dir_fd: int, name: str) -> None:
+    os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dir_fd, follow_symlinks=True)
+
+
 def _preadv_all(fd: int, views: list[memoryview]) -> int:
     views = [v for v in views if len(v)]
     off = 0
@@ -199,6 +227,7 @@ class FileBackend:
                                f"used: {e.strerror or e}") from None
         self._tlock = threading.Lock()
         self._dirs: set[str] = set()
+        self._link = _proc_link
         self._objfd = self._unnamed_files()
         self._sink = memoryview(bytearray(1))   # the byte past an object's end (never used)
         self._closed = False
@@ -217,25 +246,39 @@ class FileBackend:
 
     def _unnamed_files(self) -> int | None:
         """A descriptor of ``objects/`` when objects can be written as unnamed files and
-        linked into place (``O_TMPFILE``, then ``linkat`` of ``/proc/self/fd/N``: tried once
-        here), else None."""
+        linked into place (``O_TMPFILE``, then ``linkat``: tried once here, which also picks
+        :attr:`_link`), else None."""
         if not hasattr(os, "O_TMPFILE"):
             return None
-        name = f"probe.{os.getpid()}.{next(_seq)}.tmp"
         try:
             dfd = os.open(self._tmpdir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
-                fd = os.open(self._tmpdir, os.O_WRONLY | os.O_TMPFILE | os.O_CLOEXEC, 0o644)
-                try:
-                    os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dfd, follow_symlinks=True)
-                finally:
-                    os.close(fd)
-                os.unlink(name, dir_fd=dfd)
+                self._link = self._probe_link(dfd)
             finally:
                 os.close(dfd)
             return os.open(self._objdir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError:     # not supported by this filesystem or kernel, or no /proc
             return None
+
+    def _probe_link(self, dfd: int):
+        """The first way of linking an unnamed file in ``tmp/`` that works here (a linked
+        probe is removed again); OSError when none does."""
+        last: OSError | None = None
+        for link in (_fd_linker(), _proc_link):
+            if link is None:
+                continue
+            name = f"probe.{os.getpid()}.{next(_seq)}.tmp"
+            fd = os.open(self._tmpdir, os.O_WRONLY | os.O_TMPFILE | os.O_CLOEXEC, 0o644)
+            try:
+                link(fd, dfd, name)
+            except OSError as e:
+                last = e
+                continue
+            finally:
+                os.close(fd)
+            os.unlink(name, dir_fd=dfd)
+            return link
+        raise last or OSError(errno.ENOTSUP, "no way to link an unnamed file")
 
     # -- setup helpers -----------------------------------------------------------------------
     def _check_marker(self) -> None:
@@ -388,8 +431,12 @@ class FileBackend:
         Safe to call from several threads at once: creating and writing files runs without
         the GIL."""
         path = self.object_path(key)
-        views = [p if isinstance(p, FileRange) else byte_view(p) for p in parts]
-        size = sum(len(v) for v in views)
+        if len(parts) == 1 and not isinstance(parts[0], FileRange):
+            views = [byte_view(parts[0])]       # the common case: one buffer
+            size = len(views[0])
+        else:
+            views = [p if isinstance(p, FileRange) else byte_view(p) for p in parts]
+            size = sum(len(v) for v in views)
         limit = self.config.size_limit_bytes
         if limit and size > limit:
             return None
@@ -431,6 +478,14 @@ class FileBackend:
         return out
 
     def _write_fd(self, fd: int, views: list) -> None:
+        if len(views) == 1 and 0 < len(views[0]) <= WRITE_CHUNK and \
+                not isinstance(views[0], FileRange):
+            n = os.write(fd, views[0])
+            if n != len(views[0]):          # a short write: the rest, in a loop
+                _writev_all(fd, [views[0][n:]])
+            if self.config.fsync:
+                os.fsync(fd)
+            return
         run: list[memoryview] = []
         for v in views:
             if isinstance(v, FileRange):     # memory parts before it first, in order
@@ -448,8 +503,7 @@ class FileBackend:
         (content-addressed: the old one is kept). Closes or removes what was staged."""
         if st.tmp is None:
             try:
-                os.link(f"/proc/self/fd/{st.fd}", st.path[len(self._objdir) + 1:],
-                        dst_dir_fd=self._objfd, follow_symlinks=True)
+                self._link(st.fd, self._objfd, st.path[len(self._objdir) + 1:])
                 return True
             except FileExistsError:
                 return False
@@ -470,7 +524,7 @@ class FileBackend:
         """Under the lock: link or rename staged objects into place (unless present), account,
         evict."""
         limit = self.config.size_limit_bytes
-        done = 0
+        done = puts = 0
         try:
             with self._locked():
                 used, n = self._read_usage() or (0, 0)
@@ -478,8 +532,7 @@ class FileBackend:
                     done += 1
                     try:
                         if self._place(st):
-                            used, n = used + st.size, n + 1
-                            self.counters.add("puts")
+                            used, n, puts = used + st.size, n + 1, puts + 1
                         else:
                             self.counters.add("put_skipped")
                         out[i] = True
@@ -492,6 +545,9 @@ class FileBackend:
             self._error("lock", os.path.join(self.root, "lock"), e)
             for _, st in staged[done:]:
                 _discard(st)
+        finally:
+            if puts:
+                self.counters.add("puts", puts)
 
     def delete(self, keys: Sequence[str]) -> int:
         paths = [self.object_path(k) for k in keys]
