@@ -195,13 +195,6 @@ class KVObjectCodec:
         self._fill(out, page_hash, payload_len, payload_checksum)
         return bytes(out)
 
-    def fill_header(self, out: memoryview, page_hash: bytes, payload_len: int,
-                    payload_checksum: int) -> None:
-        """:meth:`header_for` written into ``out`` (a flat byte memoryview of exactly
-        ``header_len`` bytes, as :meth:`encode_header_into` checks): the per-object hot path
-        of a writer that keeps its header buffers."""
-        self._fill(out, page_hash, payload_len, payload_checksum)
-
     def _fill(self, out, page_hash: bytes, payload_len: int, psum: int) -> None:
         if len(page_hash) != 32:
             raise ValueError(f"page hash must be 32 bytes, got {len(page_hash)}")

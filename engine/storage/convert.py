@@ -449,7 +449,7 @@ class _Converter:
             if asm is not None and r.copies:    # header and payload in one kept buffer
                 whole, head, payload, copies = asm.slots[r.index]
                 Assembly.fill(copies, srcs)
-                p.codecs[r.index].fill_header(head, ph, len(payload), checksum(payload))
+                p.codecs[r.index].encode_header_into(head, ph, payload, checksum(payload))
                 if key in p.present:
                     self._same(key, head, [payload])
                     counts["skipped_present"] += 1

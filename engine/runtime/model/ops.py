@@ -130,7 +130,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     """
     if exact:
         return _attention_exact(q, k, v, q_pos, scale)
-    if tail and _CAUSAL_MIN_QUERIES <= q.shape[0] <= k.shape[0] and _causal_tail_usable():
+    if tail and _CAUSAL_MIN_QUERIES <= q.shape[0] <= k.shape[0] and _causal_tail_state["usable"]:
         try:
             return _attention_sdpa_tail(q, k, v, scale)
         except (RuntimeError, ValueError) as exc:   # a kernel refusing these shapes: masked path
@@ -142,10 +142,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
 # where the masked path's score tensor is small anyway).
 _CAUSAL_MIN_QUERIES = 64
 _causal_tail_state = {"usable": True}
-
-
-def _causal_tail_usable() -> bool:
-    return _causal_tail_state["usable"]
 
 
 def _disable_causal_tail(exc: BaseException) -> None:
