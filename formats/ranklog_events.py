@@ -90,7 +90,7 @@ PP_ACK = EventKind("pp_ack", ("queue", "consumed", "acks"),
                    category=PP_ACK_CATEGORY, deciding=("queue", "consumed", "acks"),
                    doc="a pipeline stage consumes the agreed number of completed operations of "
                        "a queue (\"load\"/\"backup\"): acks are their op ids")
-FLUSH = EventKind("flush", (), doc="every unlocked page of every tier was dropped")
+FLUSH = EventKind("flush", (), doc="every unlocked page of L1 and L2 was dropped (and L3's objects with scope all)")
 CP_ALLOC = EventKind("cp_alloc", ("rid", "first_owner", "pages"),
                      doc="CP: pages extending a request's prefix are allocated, the first on "
                          "rank first_owner (then round the ranks)")

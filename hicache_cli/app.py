@@ -54,8 +54,50 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
     """Hierarchical KV cache toolkit."""
 
 
+def _click_errors() -> tuple:
+    """The click exception modules typer raises from: recent typer versions vendor click
+    (``typer._click``), older ones use click itself; both are caught."""
+    import importlib
+
+    mods = []
+    for name in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            mods.append(importlib.import_module(name))
+        except ImportError:
+            pass
+    return tuple(mods)
+
+
 def main() -> None:
-    app()
+    """The console entry point: typer's own handling, except that a usage error (unknown
+    option, bad value, missing argument) is one line on stderr plus one hint line, exit 2,
+    instead of a boxed panel."""
+    import sys
+
+    mods = _click_errors()
+
+    def of(name: str) -> tuple:
+        return tuple(getattr(m, name) for m in mods if hasattr(m, name))
+
+    try:
+        rv = app(standalone_mode=False)
+    except of("NoArgsIsHelpError") as exc:     # a bare group: its help, as typer does
+        ctx = getattr(exc, "ctx", None)
+        sys.stdout.write((ctx.get_help() if ctx is not None else "") + "\n")
+        sys.exit(2)
+    except of("UsageError") as exc:
+        ctx = getattr(exc, "ctx", None)
+        path = ctx.command_path if ctx is not None else "hicache"
+        sys.stderr.write(f"error: {exc.format_message()}\n")
+        sys.stderr.write(f"hint: '{path} --help' lists the options\n")
+        sys.exit(exc.exit_code)
+    except of("ClickException") as exc:
+        sys.stderr.write(f"error: {exc.format_message()}\n")
+        sys.exit(exc.exit_code)
+    except of("Abort"):
+        sys.stderr.write("error: aborted\n")
+        sys.exit(1)
+    sys.exit(rv if isinstance(rv, int) else 0)
 
 
 if __name__ == "__main__":

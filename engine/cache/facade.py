@@ -31,6 +31,7 @@ from engine.cache.transfer import OpKind, TransferEngine, TransferOp
 from engine.cache.types import (  # noqa: F401 (CacheConfig, as_tokens re-exported)
     Admission,
     CacheConfig,
+    FlushScope,
     LoadHandle,
     LockReceipt,
     MatchResult,
@@ -576,13 +577,20 @@ class HiCache:
             self._push_candidate(parent)
         return True
 
-    def flush(self) -> None:
-        """Drop every unlocked page in every tier (locked KV stays)."""
+    def flush(self, scope: "FlushScope | str" = "cache") -> None:
+        """Empty tiers (:class:`FlushScope`): ``cache`` drops every unlocked page of L1 and L2
+        (locked KV stays), as SGLang's ``/flush_cache`` does; ``storage`` removes every object
+        of the L3 store; ``all`` both."""
+        scope = FlushScope.parse(scope)
         self.wait_all()
-        self.evict_l1(1 << 62)
-        if self.l2_alloc is not None:
-            self.evict_l2(1 << 62)
-        self.events.emit(EV.FLUSH)
+        if scope is not FlushScope.STORAGE:
+            self.evict_l1(1 << 62)
+            if self.l2_alloc is not None:
+                self.evict_l2(1 << 62)
+        if scope is not FlushScope.CACHE and self.l3 is not None:
+            self.l3.clear()
+        if scope is not FlushScope.STORAGE:
+            self.events.emit(EV.FLUSH)
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> dict[str, Any]:

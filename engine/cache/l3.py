@@ -103,6 +103,11 @@ class SimulatedTier:
             job.result = len(job.hashes)
         job.event.set()
 
+    def clear(self) -> int:
+        n = len(self._keys)
+        self._keys.clear()
+        return n
+
     def stats(self) -> dict[str, Any]:
         return {"backend": "simulated", "stored_pages": len(self._keys),
                 "capacity_pages": self.capacity, **self.counters}
@@ -154,6 +159,9 @@ class StoreTier:
                 job.error = exc
                 job.result = 0
             job.event.set()
+
+    def clear(self) -> int:
+        return self.store.clear()
 
     def stats(self) -> dict[str, Any]:
         return self.store.stats()
@@ -255,6 +263,13 @@ class L3Tier:
     def wait_all(self) -> None:
         for job in list(self.inflight):
             job.event.wait()
+
+    def clear(self) -> int:
+        """Empty the store (after :meth:`wait_all`: no job of ours is left in flight)."""
+        self.wait_all()
+        removed = self.impl.clear()
+        self.counters["cleared"] += max(removed, 0)
+        return removed
 
     def stats(self) -> dict[str, Any]:
         return {**self.impl.stats(), **{f"tier_{k}": v for k, v in self.counters.items()},

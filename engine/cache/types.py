@@ -34,6 +34,17 @@ class WritePolicy(Choice):
     WRITE_BACK = "write_back"
 
 
+class FlushScope(Choice):
+    """What a flush empties: ``cache`` L1 and L2 (SGLang's ``/flush_cache``), ``storage`` the L3
+    store alone (SGLang's ``/clear_hicache_storage_backend``), ``all`` every tier."""
+
+    __what__ = "flush scope"
+
+    CACHE = "cache"
+    STORAGE = "storage"
+    ALL = "all"
+
+
 @dataclasses.dataclass
 class CacheConfig:
     page_size: int = 16

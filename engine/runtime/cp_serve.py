@@ -131,13 +131,14 @@ class RankScheduler(Scheduler):
         for kind, item in items:
             self._handle(kind, item)
 
-    def request_flush(self) -> None:
-        """Flush every rank's cache at the same step (``/flush_cache``)."""
-        self._inbox.put(("flush", None))
+    def request_flush(self, scope: str = "cache") -> None:
+        """Flush every rank's cache at the same step (``/flush_cache``; ``scope``: a
+        :class:`~engine.cache.types.FlushScope` value)."""
+        self._inbox.put(("flush", str(scope)))
 
     def _handle(self, kind: str, item: Any) -> None:
         if kind == "flush":
-            self.cache.flush()
+            self.cache.flush(item or "cache")
         else:
             super()._handle(kind, item)
 

@@ -161,7 +161,7 @@ class PipelineScheduler(Scheduler):
             self.decider_rank = grid.decider_rank
         self.sync = PPSync(links_for(stage, num_stages, ack_groups, self.column, peers),
                            enabled=pp_sync, timeout_s=timeout_s)
-        self._flush_pending = False
+        self._flush_pending: str | None = None
         self._stopping = False
         # stage 0: which stage is gone, if one is (the engine's view of the stage processes)
         self.dead_stage: Callable[[], str | None] = lambda: None
@@ -169,9 +169,10 @@ class PipelineScheduler(Scheduler):
         self._l3_probed: set[str] = set()
 
     # -- intake: stage 0 decides, every stage applies ----------------------------------------
-    def request_flush(self) -> None:
-        """Flush every stage's cache at the next step (call on stage 0's scheduler thread)."""
-        self._flush_pending = True
+    def request_flush(self, scope: str = "cache") -> None:
+        """Flush every stage's cache at the next step (call on stage 0's scheduler thread;
+        ``scope``: a :class:`~engine.cache.types.FlushScope` value)."""
+        self._flush_pending = str(scope)
 
     def _drain_inbox(self, block: bool = False) -> None:
         msg: list | None = None
@@ -188,8 +189,8 @@ class PipelineScheduler(Scheduler):
                 else:
                     msg.append((kind, item))
             if self._flush_pending:
-                msg.append(("flush", None))
-                self._flush_pending = False
+                msg.append(("flush", self._flush_pending))
+                self._flush_pending = None
             if self._stop.is_set():
                 msg.append(("shutdown", None))
             msg += self._l3_overdue()
@@ -200,7 +201,7 @@ class PipelineScheduler(Scheduler):
             if kind == "req":
                 self._handle("req", pending[item[0]] if self.leader else self._rebuild(item))
             elif kind == "flush":
-                self.cache.flush()
+                self.cache.flush(item or "cache")
             elif kind == "shutdown":
                 self._stopping = True
             elif kind == "l3_release":

@@ -58,6 +58,10 @@ class StorageBackend(Protocol):
     def delete(self, keys: Sequence[str]) -> int:
         """Remove objects; returns how many existed."""
 
+    def clear(self) -> int:
+        """Remove every object of the store (``/clear_hicache_storage_backend``); returns how
+        many were removed (best effort where the store cannot count)."""
+
     def quarantine(self, key: str) -> None:
         """Take a bad object out of service (kept aside for inspection where possible)."""
 

@@ -519,6 +519,11 @@ class L3Store:
                                 deadline_s=min(HEALTH_DEADLINE_S, self.guard.deadline_s))
         return {**self.counters.as_dict(), **self.guard.state(), "backend": health}
 
+    def clear(self) -> int:
+        """Remove every object of the backend (an operator's "empty the store"); the number
+        removed, or -1 when the backend did not answer in time (the store is then degraded)."""
+        return self.guard.run("clear", self.backend.clear, default=-1)
+
     def close(self, close_backend: bool = True) -> None:
         """Unregister the memory this store registered; close the backend unless told not to
         (a backend shared by several stores). Bounded by the deadline: a store with a call

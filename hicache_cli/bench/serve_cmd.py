@@ -19,6 +19,7 @@ from engine.cache.policy import PolicyName
 from engine.cache.types import HostLayout, WritePolicy
 from engine.core.errors import UsageError
 from engine.storage.config import BackendKind
+from hicache_cli.bench.sglang_args import apply_extra
 from hicache_cli.options import (
     DistInitAddr,
     Format,
@@ -39,6 +40,11 @@ class DeviceChoice(str, enum.Enum):
     cuda = "cuda"
 
 
+class FlushScopeChoice(str, enum.Enum):
+    cache = "cache"
+    all = "all"
+
+
 class LogLevel(str, enum.Enum):
     debug = "debug"
     info = "info"
@@ -51,7 +57,7 @@ Host = Annotated[str, _O("--host", help="Address to listen on.")]
 Port = Annotated[int, _O("--port", help="Port (0 = pick a free one).")]
 Device = Annotated[DeviceChoice, _O("--device", help="auto = cuda when a GPU is usable, else "
                                                      "cpu.")]
-Model = Annotated[str, _O("--model", help="Preset (tiny, tiny-mla, small, small-mla, medium), "
+Model = Annotated[str, _O("--model", "--model-path", help="Preset (tiny, tiny-mla, small, small-mla, medium), "
                                           "smollm2-135m (the real SmolLM2-135M-Instruct; needs "
                                           "the smollm extra), a *.gguf file (llama), or a local "
                                           "Hugging Face Llama checkpoint directory (config.json "
@@ -132,7 +138,8 @@ PdTimeout = Annotated[float, _O("--pd-transfer-timeout", help="Seconds a request
                                 "KV on the link before it fails.")]
 PdFault = Annotated[Optional[str], _O("--pd-inject-fault", help="Debug (prefill worker): "
                                       "die-after-layers:N or delay:SECONDS.")]
-Pp = Annotated[int, _O("--pp", min=1, max=8, help="Pipeline parallelism: split the layers over "
+Pp = Annotated[int, _O("--pp", "--pp-size", "--pipeline-parallel-size",
+                       min=1, max=8, help="Pipeline parallelism: split the layers over "
                        "this many stage processes (KV stays on its stage; pp_sync keeps cache "
                        "decisions equal). With --tp N each stage is N TP processes.")]
 PpSync = Annotated[bool, _O("--pp-sync/--no-pp-sync", help="Debug: --no-pp-sync lets each stage "
@@ -150,15 +157,20 @@ CollectiveTimeout = Annotated[float, _O("--collective-timeout", help="Seconds a 
 Cp = Annotated[int, _O("--cp", min=1, help="Context-parallel ranks: one process each, KV pages "
                        "sharded by owner, --l1-tokens/--l2-tokens per rank "
                        "(docs/parallelism.md).")]
-Tp = Annotated[int, _O("--tp", min=1, max=8, help="Tensor-parallel ranks: one process each, "
+Tp = Annotated[int, _O("--tp", "--tp-size", "--tensor-parallel-size",
+                       min=1, max=8, help="Tensor-parallel ranks: one process each, "
                        "attention heads and the MLP split over them, each rank's KV pools "
                        "holding its kv-heads (docs/parallelism.md). With --cp M: tp x cp "
                        "processes, pages sharded over CP, heads over TP.")]
+FlushScopeOpt = Annotated[FlushScopeChoice, _O(
+    "--flush-cache-scope", help="What /flush_cache and /reset_prefix_cache empty: cache = L1 "
+    "and L2 (SGLang's meaning), all = every tier, L3 included (for benchmark clients that "
+    "flush between runs, e.g. bench_serving --flush-cache).")]
 Level = Annotated[LogLevel, _O("--log-level", help="Server log verbosity (stderr).")]
 
 
 def serve_cmd(
-    host: Host = "127.0.0.1", port: Port = 30000, device: Device = DeviceChoice.auto,
+    ctx: typer.Context, host: Host = "127.0.0.1", port: Port = 30000, device: Device = DeviceChoice.auto,
     model: Model = "tiny", l1_tokens: L1Tokens = 16384, l2_tokens: ServeL2 = None,
     page_size: PageSize = 16, hicache_ratio: Ratio = 2.0, hicache_size: SizeGb = 0.0,
     write_policy: ServeWrite = WritePolicy.WRITE_THROUGH,
@@ -179,6 +191,7 @@ def serve_cmd(
     pp_sync: PpSync = True, pp_micro_batches: PpMicro = 0, transfer_delay: TransferDelay = None,
     collective_timeout: CollectiveTimeout = 60.0, cp: Cp = 1, tp: Tp = 1, nnodes: NNodes = 1,
     node_rank: NodeRank = 0, dist_init_addr: DistInitAddr = None,
+    flush_cache_scope: FlushScopeOpt = FlushScopeChoice.cache,
     log_level: Level = LogLevel.warning, fmt: Format = OutputFormat.human,
 ) -> None:
     """Run the benchmark server until Ctrl-C / SIGTERM (--format json: also one JSON line with
@@ -188,8 +201,15 @@ def serve_cmd(
     then:    curl -s localhost:30000/generate -d '{"text": "Hi", "sampling_params":
              {"max_new_tokens": 8, "temperature": 0}}'
     Two hosts: --cp 2 --nnodes 2 --dist-init-addr HOST0:5000 and --node-rank 0 / 1.
+    An SGLang launch line ports as it is (docs/sglang-compat.md): --model-path, --tp-size,
+    --context-length, --enable-hierarchical-cache, ... are accepted or refused in one line.
     """
     opts = dict(locals())
+    del opts["ctx"]
+    opts["context_length"] = None
+    known = [n for p in ctx.command.params for n in p.opts]
+    apply_extra(ctx.args, opts, known, lambda msg: stderr.print(f"hicache bench serve: {msg}"))
+    disaggregation = opts["disaggregation"]
     _prepare(log_level, disaggregation)
     cfg = _server_config(opts)
     if disaggregation in ("prefill", "pd"):
@@ -301,7 +321,8 @@ def _server_config(o: dict):
             pp=o["pp"], pp_sync=o["pp_sync"], pp_micro_batches=o["pp_micro_batches"],
             debug_transfer_delay=o["transfer_delay"],
             collective_timeout_s=o["collective_timeout"], cp=o["cp"], tp=o["tp"],
-            nnodes=o["nnodes"], node_rank=o["node_rank"], dist_init_addr=o["dist_init_addr"])
+            nnodes=o["nnodes"], node_rank=o["node_rank"], dist_init_addr=o["dist_init_addr"],
+            context_length=o["context_length"], flush_cache_scope=o["flush_cache_scope"].value)
 
 
 def _dump_path(dump_tree_on_exit: Optional[str], cfg) -> tuple[Optional[Path], Any]:
@@ -374,4 +395,8 @@ def _serve(cfg, fmt: OutputFormat, dump_path: Optional[Path]) -> None:
 
 
 def register(bench_app: typer.Typer) -> None:
-    bench_app.command("serve")(handle_errors(serve_cmd))
+    # Options of SGLang's launch line that hicache has no flag for arrive as extra arguments
+    # (hicache_cli/bench/sglang_args.py): applied, accepted or refused in one line each.
+    bench_app.command("serve", context_settings={"ignore_unknown_options": True,
+                                                 "allow_extra_args": True})(
+        handle_errors(serve_cmd))

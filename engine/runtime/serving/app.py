@@ -272,13 +272,37 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"X-Prometheus-Format": "0.0.4"})
 
 
-async def flush_cache(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE_KEY]
+_TRUE = ("1", "true", "yes", "on")
 
-    after = await _on_scheduler(engine, engine.flush)
-    stats = await asyncio.wrap_future(after)
-    return web.json_response({"flushed": True, "l1_used_tokens": stats["l1_used_tokens"],
+
+async def _flush(engine: Any, scope: str) -> dict:
+    after = await _on_scheduler(engine, lambda: engine.flush(scope))
+    return await asyncio.wrap_future(after)
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    """SGLang's ``/flush_cache`` (and vLLM's ``/reset_prefix_cache``): L1 and L2 by default;
+    ``?storage=true``, or a server started with ``--flush-cache-scope all``, the L3 store too."""
+    engine = request.app[ENGINE_KEY]
+    scope = engine.cfg.flush_cache_scope
+    if request.query.get("storage", "").lower() in _TRUE:
+        scope = "all"
+    stats = await _flush(engine, scope)
+    storage = scope == "all" and stats.get("l3") is not None
+    return web.json_response({"flushed": True, "tiers": ["l1", "l2", "l3"] if storage
+                              else ["l1", "l2"], "l1_used_tokens": stats["l1_used_tokens"],
                               "l2_used_tokens": stats["l2_used_tokens"]})
+
+
+async def clear_storage(request: web.Request) -> web.Response:
+    """SGLang's ``/clear_hicache_storage_backend`` (and ``POST /hicache/storage-backend/clear``):
+    every object of the L3 store; L1 and L2 stay."""
+    engine = request.app[ENGINE_KEY]
+    if engine.cache.l3 is None:
+        return error_response(400, "no L3 storage backend is configured (start the server "
+                                   "with --hicache-storage-backend)", "invalid_request_error")
+    await _flush(engine, "storage")
+    return web.json_response("Hierarchical cache storage backend cleared.")
 
 
 async def dump_tree(request: web.Request) -> web.Response:
@@ -301,7 +325,10 @@ def make_app(engine: Engine) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/metrics", metrics)
     info.add_routes(app)
-    app.router.add_route("GET", "/flush_cache", flush_cache)
-    app.router.add_route("POST", "/flush_cache", flush_cache)
+    for method in ("GET", "POST"):
+        app.router.add_route(method, "/flush_cache", flush_cache)
+        app.router.add_route(method, "/clear_hicache_storage_backend", clear_storage)
+    app.router.add_post("/reset_prefix_cache", flush_cache)          # vLLM's spelling
+    app.router.add_post("/hicache/storage-backend/clear", clear_storage)
     app.router.add_post("/dump_tree", dump_tree)
     return app

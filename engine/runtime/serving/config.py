@@ -52,6 +52,10 @@ class ServerConfig:
     hicache_storage_prefetch_timeout: float = 2.0    # seconds, for "timeout"
     hicache_storage_layout: str = "unified"          # unified | legacy (per-rank keys)
     hicache_storage_grid: str | None = None          # unified: "layers=N,heads=N" / "tp=N,pp=N"
+    # what /flush_cache and /reset_prefix_cache empty: cache = L1 + L2 (SGLang's meaning), all =
+    # every tier (benchmarks whose client can only call /flush_cache, e.g. bench_serving)
+    flush_cache_scope: str = "cache"
+    context_length: int | None = None  # SGLang's --context-length: requests limited below the model's
     rank_log_dir: str | None = None    # write this rank's event log there on shutdown
     inject_divergence: str | None = None  # debug: break this rank's decisions (engine.parallel.divergence)
     tokenizer_dir: str | None = None   # where to export the preset's HF tokenizer (default: temp)
@@ -109,6 +113,11 @@ class ServerConfig:
                         self.hicache_storage_prefetch_timeout)):
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{opt} must be a finite number >= 0, got {v}")
+        if self.flush_cache_scope not in ("cache", "all"):
+            raise ValueError(f"--flush-cache-scope: choose cache or all, got "
+                             f"{self.flush_cache_scope!r}")
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError(f"--context-length must be >= 1, got {self.context_length}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         WritePolicy.parse(self.write_policy)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import math
 import os
@@ -15,6 +16,7 @@ from typing import Any
 from engine.cache.events import EventLog, RankInfo
 from engine.cache.facade import CacheConfig, HiCache
 from engine.core.device import resolve_device
+from engine.core.errors import UsageError
 from engine.runtime.model import Model, load_model
 from engine.runtime.scheduler import Scheduler, SchedulerConfig
 from engine.runtime.serving.config import MEMORY_SHARE, MEMORY_STORE_CP, ServerConfig  # noqa: F401
@@ -83,6 +85,11 @@ class Engine:
             from engine.runtime.pipeline import stage_model
 
             self.model = stage_model(self.model, stage, cfg.pp)
+        if cfg.context_length is not None:       # SGLang's --context-length
+            if cfg.context_length > self.model.cfg.max_context:
+                raise UsageError(f"--context-length {cfg.context_length} exceeds the model's "
+                                 f"context of {self.model.cfg.max_context} tokens")
+            self.model.cfg = dataclasses.replace(self.model.cfg, max_context=cfg.context_length)
         mc = self.model.cfg
         model_dir = cfg.model if os.path.isdir(cfg.model) else None
         self.tokenizer: Tokenizer | None = model_tokenizer(cfg.model, mc)
@@ -313,15 +320,16 @@ class Engine:
 
         self._stage_ids, self.stage_procs, self._stage_board = start_ranks(cfg)
 
-    def flush(self) -> "concurrent.futures.Future[dict]":
-        """Drop every unlocked page (on every pipeline stage / TP-CP rank). Call on the
+    def flush(self, scope: str = "cache") -> "concurrent.futures.Future[dict]":
+        """Empty the tiers ``scope`` names (a :class:`~engine.cache.types.FlushScope` value:
+        cache = L1 + L2, storage = L3, all) on every pipeline stage / TP-CP rank. Call on the
         scheduler thread; the future holds the cache's stats from after the flush. Pipeline
         and rank groups flush at a step every rank sees, so the stats are read by a call queued
         behind the flush (it runs at the next step, once the flush is done)."""
         if self.cfg.pp > 1 or self.cfg.ranks > 1:
-            self.scheduler.request_flush()
+            self.scheduler.request_flush(scope)
             return self.scheduler.call(self.cache.stats)
-        self.cache.flush()
+        self.cache.flush(scope)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         fut.set_result(self.cache.stats())
         return fut

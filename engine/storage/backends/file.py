@@ -466,6 +466,13 @@ class FileBackend:
             self._write_usage(used, n)
         return removed
 
+    def clear(self) -> int:
+        with self._locked():
+            _, before = self._read_usage() or (0, 0)
+            used, n = self._scan_and_evict(0)
+            self._write_usage(used, n)
+        return max(before - n, 0)
+
     def quarantine(self, key: str) -> None:
         path = self.object_path(key)
         dest = os.path.join(self._qdir, f"{key}.{time.time_ns()}")

@@ -92,6 +92,13 @@ class MemoryBackend:
                     n += 1
         return n
 
+    def clear(self) -> int:
+        with self._lock:
+            n = len(self._objects)
+            self._objects.clear()
+            self._bytes = 0
+        return n
+
     def quarantine(self, key: str) -> None:
         with self._lock:
             data = self._objects.pop(check_key(key), None)

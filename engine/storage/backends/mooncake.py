@@ -331,6 +331,15 @@ class MooncakeBackend:
         self._outcome(codes)
         return sum(1 for c in codes if c == 0)
 
+    def clear(self) -> int:
+        if not self._available():
+            return 0
+        n = self._store.remove_all()
+        if n < 0:
+            self._failed(f"remove_all returned {n}")
+            return 0
+        return n
+
     def quarantine(self, key: str) -> None:
         # The store has nowhere to keep it aside: removing it stops further hits.
         if self.delete([key]):
