@@ -55,6 +55,16 @@ def test_sizes_must_match_exactly(backend):
     assert backend.get([k], [[bytearray(100)]]) == [100]
 
 
+def test_clear_removes_every_object(backend):
+    keys = [new_key() for _ in range(5)]
+    assert backend.put(keys, [[blob(300, i)] for i in range(5)]) == [True] * 5
+    assert backend.clear() >= 5
+    assert backend.exists(keys) == [False] * 5
+    assert backend.get([keys[0]], [[bytearray(300)]]) == [GetStatus.MISS]
+    k = new_key()                          # still usable afterwards
+    assert backend.put([k], [[blob(50)]]) == [True] and backend.exists([k]) == [True]
+
+
 def test_existing_key_is_not_rewritten(backend):
     k = new_key()
     assert backend.put([k], [[b"first-version"]]) == [True]
