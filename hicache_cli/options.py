@@ -18,6 +18,7 @@ from typing import Annotated, Iterator, Optional
 
 import typer
 import typer.core
+import typer.rich_utils
 
 from engine.cache.policy import PolicyName, policy_names
 from engine.cache.types import WritePolicy
@@ -114,3 +115,58 @@ def _flag_shows_no_type(self, ctx):  # type: ignore[no-untyped-def]
 
 if _display_type_rich is not None:
     typer.core.TyperOption.display_type_rich = _flag_shows_no_type  # type: ignore[method-assign]
+
+
+# Narrow terminals (80 columns, or help piped where rich assumes 80): typer's option table has
+# one column for the names and cuts a long one ("--hicache-storage…"). When the longest names,
+# the longest type and _HELP_MIN columns of help do not fit side by side, each option is printed
+# stacked instead — its names and type on one line (folded, never cut), its help indented
+# below — so every flag stays readable. A private hook of typer's, patched only where it exists
+# with the signature used here; elsewhere typer's own rendering is kept.
+_HELP_MIN = 40
+_options_panel = getattr(typer.rich_utils, "_print_options_panel", None) \
+    if hasattr(typer, "rich_utils") else None
+
+
+def _stacked_options_panel(*, name, params, ctx, markup_mode, console):  # type: ignore[no-untyped-def]
+    def names_of(p) -> str:  # type: ignore[no-untyped-def]
+        return ",".join([*p.opts, *p.secondary_opts])
+
+    def type_of(p) -> str:  # type: ignore[no-untyped-def]
+        shown = p.display_type_rich(ctx=ctx) if hasattr(p, "display_type_rich") else None
+        bounds = p._get_number_range_help_str() if hasattr(p, "_get_number_range_help_str") \
+            else ""
+        return (shown or "") + (typer.rich_utils.RANGE_STRING.format(bounds) if bounds else "")
+
+    need = max((len(names_of(p)) for p in params), default=0) + \
+        max((len(type_of(p)) for p in params), default=0) + _HELP_MIN + 8
+    if console.width >= need or not params:
+        return _options_panel(name=name, params=params, ctx=ctx, markup_mode=markup_mode,
+                              console=console)
+    from rich.padding import Padding
+    from rich.panel import Panel
+    from rich.table import Table
+    from rich.text import Text
+
+    ru = typer.rich_utils
+    grid = Table.grid(expand=True)
+    grid.add_column(overflow="fold")
+    for param in params:
+        names = ", ".join([*param.opts, *param.secondary_opts])
+        if isinstance(param, typer.core.TyperArgument):
+            names = param.display_name_raw or names
+        line = Text(names, style=ru.STYLE_OPTION, overflow="fold")
+        if type_of(param):
+            line.append(" " + type_of(param), style=ru.STYLE_TYPES)
+        if getattr(param, "required", False):
+            line.append(" " + ru.REQUIRED_LONG_STRING, style=ru.STYLE_REQUIRED_LONG)
+        grid.add_row(line)
+        grid.add_row(Padding(ru._get_parameter_help(param=param, ctx=ctx,
+                                                    markup_mode=markup_mode), (0, 0, 0, 4)))
+    console.print(Panel(grid, border_style=ru.STYLE_OPTIONS_PANEL_BORDER, title=name,
+                        title_align=ru.ALIGN_OPTIONS_PANEL))
+
+
+if _options_panel is not None and {"name", "params", "ctx", "markup_mode", "console"} <= set(
+        __import__("inspect").signature(_options_panel).parameters):
+    typer.rich_utils._print_options_panel = _stacked_options_panel
