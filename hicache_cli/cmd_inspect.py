@@ -19,26 +19,73 @@ from hicache_cli import inspect_render as render
 from hicache_cli.output import EXIT_CHECK, emit_json, fail, handle_errors, stdout
 
 DEFAULT_MAX_VIOLATIONS = 30
-_IDS = re.compile(r"^\s*[-+]?\d+(\s*,\s*[-+]?\d+)*\s*,?\s*$")
-
-
 class InspectFormat(str, enum.Enum):
     human = "human"
     json = "json"
     dot = "dot"
 
 
-def parse_prompt(text: str) -> list[int]:
-    """``"1,2,3"`` → token ids; anything else is text, encoded by the byte-level tokenizer
-    (UTF-8 bytes, BOS first) as the server encodes a prompt of the preset models."""
-    if _IDS.match(text):
-        ids = [int(x) for x in text.replace(" ", "").strip(",").split(",")]
-        if any(not 0 <= i <= 0xFFFFFFFF for i in ids):
-            raise UsageError("--prefix: token ids must be in [0, 2**32)")
-        return ids
-    from engine.runtime.tokenizer import ByteTokenizer
+_IDS = re.compile(r"^\s*\d+(\s*-\s*\d+)?(\s*,\s*\d+(\s*-\s*\d+)?)*\s*,?\s*$")
+_SIGNED = re.compile(r"^\s*[-+]?\d+(\s*,\s*[-+]?\d+)*\s*,?\s*$")
+_ID_LIKE = re.compile(r"^[\d\s,.\-+…]+$")
+MAX_PROMPT_IDS = 1 << 22
+"""Token ids ``--prefix`` takes at most (ranges included)."""
 
-    return ByteTokenizer().encode(text)
+
+def parse_prompt(text: str, encoder: "Any" = None) -> list[int]:
+    """``"1,2,3"`` or ``"0-511,1380864-1382399"`` (inclusive ranges) → token ids; anything else
+    is text, encoded by what ``encoder()`` returns (asked only for text; None or a None answer:
+    the byte-level tokenizer of the preset models, UTF-8 bytes with BOS first). Ids elided with
+    ``…`` or ``...`` are refused, not read as text."""
+    if _SIGNED.match(text) and not _IDS.match(text):
+        raise UsageError("--prefix: token ids must be in [0, 2**32)")
+    if _IDS.match(text):
+        ids: list[int] = []
+        for part in text.replace(" ", "").strip(",").split(","):
+            lo, _, hi = part.partition("-")
+            a, b = int(lo), int(hi or lo)
+            if not (0 <= a <= 0xFFFFFFFF and 0 <= b <= 0xFFFFFFFF):
+                raise UsageError("--prefix: token ids must be in [0, 2**32)")
+            if b < a:
+                raise UsageError(f"--prefix: range {part} runs backwards")
+            if len(ids) + b - a + 1 > MAX_PROMPT_IDS:
+                raise UsageError(f"--prefix: more than {MAX_PROMPT_IDS} token ids")
+            ids.extend(range(a, b + 1))
+        return ids
+    if _ID_LIKE.match(text) and any(c.isdigit() for c in text):
+        raise UsageError(f"--prefix {text[:40]!r}: looks like token ids but is not a list of ids "
+                         f"or ranges (write 0-511 for a run of ids, not 0,1,…,511)")
+    encode = encoder() if encoder is not None else None
+    if encode is None:
+        from engine.runtime.tokenizer import ByteTokenizer
+
+        encode = ByteTokenizer().encode
+    return list(encode(text))
+
+
+def text_encoder(meta: dict, tokenizer: "str | None") -> Any:
+    """How ``--prefix`` text is encoded for a snapshot whose header ``meta`` names the model the
+    server ran (``model_path``): a preset's byte tokenizer; the model's own tokenizer for
+    smollm2-135m or when ``--tokenizer`` names a model or checkpoint directory. A snapshot of a
+    checkpoint directory or GGUF file names a path of another machine (and an untrusted file
+    must not make us read one): text then needs ``--tokenizer``."""
+    from engine.runtime.model.config import PRESETS
+    from engine.runtime.model.gguf_loader import SMOLLM2
+
+    spec = tokenizer or meta.get("model_path")
+    if spec is None or (tokenizer is None and spec in PRESETS):
+        return None                             # bytes: presets, and snapshots of old servers
+    if tokenizer is None and spec != SMOLLM2:
+        raise UsageError(f"--prefix TEXT: the snapshot's model {str(spec)[:80]!r} has its own "
+                         f"tokenizer; give --tokenizer MODEL|DIR (what the server ran) or token "
+                         f"ids")
+    from engine.runtime.tokenizer_export import tokenizer_for_model
+
+    try:
+        tok, _, _ = tokenizer_for_model(str(spec))
+    except (ValueError, OSError) as exc:
+        raise UsageError(f"--tokenizer {spec}: {exc}") from None
+    return tok.encode
 
 
 # ------------------------------------------------------------------------------ command
@@ -53,8 +100,14 @@ MaxChildren = Annotated[int, _O("--max-children", help="Tree view: children show
 Hot = Annotated[Optional[int], _O("--hot", metavar="N", help="The N prefixes with the most "
                                                              "reuse (hits × length), with tiers.")]
 Prefix = Annotated[Optional[str], _O("--prefix", metavar="TOKENS|TEXT", help="Where this prompt "
-                                     "would hit (L1/L2/L3): comma-separated token ids, or text "
-                                     "(byte tokenizer).")]
+                                     "would hit (L1/L2/L3): token ids (1,2,3 or ranges "
+                                     "0-511,900-950), or text (the snapshot's model's "
+                                     "tokenizer, see --tokenizer).")]
+TokenizerOpt = Annotated[Optional[str], _O("--tokenizer", metavar="MODEL|DIR", help="Encode "
+                                           "--prefix text with this model's tokenizer (a preset, "
+                                           "smollm2-135m, a checkpoint directory); default: the "
+                                           "snapshot's model when it is a preset or "
+                                           "smollm2-135m.")]
 Namespace = Annotated[Optional[str], _O("--namespace", help="Namespace for --prefix (LoRA id / "
                                                             "cache salt).")]
 Owners = Annotated[bool, _O("--owners", help="CP owner distribution and rotation segments.")]
@@ -72,7 +125,8 @@ Fmt = Annotated[InspectFormat, _O("--format", help="human, json, or dot (Graphvi
 
 def inspect_cmd(
     snapshots: Snapshots, depth: Depth = 3, max_children: MaxChildren = 8, hot: Hot = None,
-    prefix: Prefix = None, namespace: Namespace = None, owners: Owners = False,
+    prefix: Prefix = None, tokenizer: TokenizerOpt = None, namespace: Namespace = None,
+    owners: Owners = False,
     diff: Diff = None, expect_same: ExpectSame = False, check: Check = False,
     max_violations: MaxViolations = DEFAULT_MAX_VIOLATIONS,
     fmt: Fmt = InspectFormat.human,
@@ -90,9 +144,12 @@ def inspect_cmd(
                              ("check", check)) if on]
     _check_args(depth, max_children, max_violations, hot, expect_same, diff, fmt, views)
     views = views or ["summary", "tree"]
-    prompt = parse_prompt(prefix) if prefix is not None else None
     other = load_snapshot(diff) if diff is not None else None
     trees = [load_snapshot(p) for p in snapshots]
+    prompt = None
+    if prefix is not None:
+        prompt = parse_prompt(prefix, lambda: text_encoder(trees[0].header.get("meta", {}),
+                                                           tokenizer))
     compute = {
         "summary": sv.summary,
         "tree": lambda snap: sv.top(snap, depth=depth, max_children=max_children),

@@ -1,7 +1,9 @@
 """``hicache bench`` (the main job) on tiny configurations, both formats, and its failures."""
 
+import dataclasses
 import gzip
 import json
+import os
 import urllib.error
 import urllib.request
 
@@ -140,3 +142,43 @@ def test_server_stopped_on_error():
             raise RuntimeError("boom")
     with pytest.raises((urllib.error.URLError, OSError)):
         urllib.request.urlopen(url + "/health", timeout=2)
+
+
+SHIPPED_TRACE = "trace:" + os.path.join(os.path.dirname(__file__), "data",
+                                         "conversation_trace_head400.jsonl.gz")
+
+
+def test_a_trace_too_big_for_l1_is_refused_or_l1_grows_to_fit():
+    """The README's ``hicache bench -w trace:PATH`` on the shipped trace: with the default L1
+    some requests need more KV than L1 holds (they were 400s after minutes of running); an
+    explicit --l1-tokens that small is a usage error up front, the default grows to fit."""
+    from engine.sim.main_job import fitted
+
+    small = MainJobConfig(workload=SHIPPED_TRACE, device="cpu", trace_limit=256)
+    with pytest.raises(ValueError, match=r"of the trace's 256 requests need more KV"):
+        check_config(small)
+    grown = fitted(dataclasses.replace(small, fit_l1=True))
+    assert grown.l1_tokens > small.l1_tokens and grown.l1_tokens % 16 == 0
+    assert grown.l2_tokens / grown.l1_tokens == pytest.approx(
+        small.l2_tokens / small.l1_tokens, rel=0.01)
+    check_config(grown)
+    check_config(dataclasses.replace(grown, fit_l1=False))        # fits exactly: no refusal
+    with pytest.raises(ValueError):
+        check_config(dataclasses.replace(grown, l1_tokens=grown.l1_tokens - 16, fit_l1=False))
+
+
+def test_progress_lines_without_a_terminal(capsys):
+    """Piped output gets a progress line every ``every_s`` (here every request) instead of a
+    silent run."""
+    from engine.loadgen.driver import LoadConfig
+    from engine.loadgen.workloads import multiturn
+    from hicache_cli.bench.run_render import run_with_progress
+
+    wl = multiturn(num_clients=1, num_rounds=2, request_length=16, output_length=2)
+    with embedded_server(ServerConfig(port=0, l1_tokens=512, l2_tokens=0), "test") as url:
+        res = run_with_progress(wl, LoadConfig(url=url, concurrency=1), label="demo",
+                                every_s=0.0)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("demo:")]
+    assert len(res.records) == 2
+    assert lines == ["demo: 1/2 requests, 0 errors, " + lines[0].split(", ")[-1],
+                     "demo: 2/2 requests, 0 errors, " + lines[1].split(", ")[-1]]

@@ -260,5 +260,5 @@ def write_rank_snapshot(engine, directory: str) -> str:
     from engine.snapshot.take import snapshot_filename, write_snapshot
 
     path = os.path.join(directory, snapshot_filename(engine.cache.events.rank.rank))
-    write_snapshot(path, engine.cache, {"model": engine.model_name, "source": "bench serve"})
+    write_snapshot(path, engine.cache, engine.snapshot_meta())
     return path

@@ -72,6 +72,9 @@ class MainJobConfig:
     l1_tokens: int = 2560
     l2_tokens: int = 3072
     """L2 of the HiCache run; the rest of the histories spill to the file L3."""
+    fit_l1: bool = False
+    """A trace whose largest request needs more KV than ``l1_tokens``: grow L1 (and L2 with it)
+    to fit it instead of refusing (the CLI sets this when --l1-tokens was not given)."""
     storage: bool = True
     device: str = "auto"
     model: str = "tiny"
@@ -156,17 +159,48 @@ def check_config(cfg: MainJobConfig) -> None:
     if cfg.threads is not None and cfg.threads < 1:
         raise ValueError(f"threads must be >= 1, got {cfg.threads}")
     check_options(cfg)
+    page = ServerConfig.page_size
     if cfg.is_trace:
-        build_workload(cfg)         # reads the trace: a bad file fails before any server starts
+        wl = build_workload(cfg)    # reads the trace: a bad file fails before any server starts
+        needs = [_kv_need(s.first().prompt_len, s.first().max_tokens, page) for s in wl.sessions]
+        over = [n for n in needs if n > cfg.l1_tokens // page * page]
+        if over and not cfg.fit_l1:
+            raise ValueError(f"{len(over)} of the trace's {len(needs)} requests need more KV "
+                             f"than --l1-tokens {cfg.l1_tokens} holds (the largest "
+                             f"{max(over)} tokens, pages of {page}); raise --l1-tokens, lower "
+                             f"--trace-block-tokens or --output-length, or leave --l1-tokens "
+                             f"out to size L1 from the trace")
         return
     shape = conversation_config(cfg)
     # as the server counts: whole pages, KV for the prompt and every output token but the last
-    page = ServerConfig.page_size
-    need = -(-(shape.max_prompt_tokens + shape.output_length - 1) // page) * page
+    need = _kv_need(shape.max_prompt_tokens, shape.output_length, page)
     if need > cfg.l1_tokens // page * page:
         raise ValueError(f"the last round needs {need} tokens of KV (pages of {page}) but "
                          f"--l1-tokens {cfg.l1_tokens} holds {cfg.l1_tokens // page * page}; "
                          f"raise --l1-tokens or lower --num-rounds / --request-length")
+
+
+def _kv_need(prompt: int, output: int, page: int) -> int:
+    """KV tokens the server reserves for a request: whole pages for the prompt and every output
+    token but the last."""
+    return -(-(prompt + max(output, 1) - 1) // page) * page
+
+
+def fitted(cfg: MainJobConfig) -> MainJobConfig:
+    """``cfg`` with L1 grown to the trace's largest request when ``fit_l1`` asks for it (L2
+    keeps its ratio to L1, so the HiCache run still has room beyond L1)."""
+    from engine.runtime.serving import ServerConfig
+
+    if not (cfg.is_trace and cfg.fit_l1):
+        return cfg
+    page = ServerConfig.page_size
+    wl = build_workload(cfg)
+    need = max((_kv_need(s.first().prompt_len, s.first().max_tokens, page)
+                for s in wl.sessions), default=0)
+    if need <= cfg.l1_tokens // page * page:
+        return cfg
+    l2 = -(-cfg.l2_tokens * need // cfg.l1_tokens)
+    return dataclasses.replace(cfg, l1_tokens=need, l2_tokens=l2)
 
 
 def server_config(cfg: MainJobConfig, hicache: bool, storage_dir: str | None):
@@ -219,6 +253,7 @@ def run_main_job(cfg: MainJobConfig, runner: Runner = _plain_runner) -> dict:
     """Both runs; returns ``{"config", "runs": {"l1_only", "hicache"}, "comparison", "wall_s",
     "cpu_s"}`` (``cpu_s``: CPU time of this process, the figure to compare on a loaded machine)."""
     t0, c0 = time.perf_counter(), time.process_time()
+    cfg = fitted(cfg)
     check_config(cfg)
     runs: dict[str, dict] = {}
     with torch_threads(cfg.threads), \

@@ -13,9 +13,9 @@ import typer
 
 from engine.loadgen.driver import LoadConfig, LoadResult
 from engine.loadgen.workloads import Workload
-from engine.sim.main_job import MainJobConfig, check_config, run_main_job, title
+from engine.sim.main_job import MainJobConfig, check_config, fitted, run_main_job, title
 from hicache_cli.bench.run_cmd import report_table, run_with_progress
-from hicache_cli.output import OutputFormat, emit_json, fail, handle_errors, stdout
+from hicache_cli.output import OutputFormat, emit_json, fail, handle_errors, stderr, stdout
 
 D = MainJobConfig
 
@@ -38,7 +38,9 @@ def main_job(
     trace_block_tokens: Optional[int] = typer.Option(
         None, min=1, help="trace: tokens per 512-token block (default 16, scaled for the tiny model)."),
     concurrency: int = typer.Option(D.concurrency, min=1, help="Requests in flight."),
-    l1_tokens: int = typer.Option(D.l1_tokens, min=1, help="L1 (device) size, same in both runs."),
+    l1_tokens: Optional[int] = typer.Option(
+        None, min=1, help="L1 (device) size, same in both runs (default 2560; a trace: grown to "
+                          "its largest request when that needs more)."),
     l2_tokens: int = typer.Option(D.l2_tokens, min=1, help="L2 (host) size of the HiCache run."),
     storage: bool = typer.Option(D.storage, "--storage/--no-storage",
                                  help="Add a file L3 in a temp dir to the HiCache run."),
@@ -57,7 +59,8 @@ def main_job(
         request_length=request_length, output_length=output_length,
         context_length=context_length, system_length=system_length, trace_limit=trace_limit,
         trace_block_tokens=trace_block_tokens,
-        concurrency=concurrency, l1_tokens=l1_tokens, l2_tokens=l2_tokens, storage=storage,
+        concurrency=concurrency, l1_tokens=l1_tokens or D.l1_tokens,
+        fit_l1=l1_tokens is None, l2_tokens=l2_tokens, storage=storage,
         device=device, model=model, seed=seed, threads=threads), fmt)
 
 
@@ -71,7 +74,12 @@ def _main_job(cfg: MainJobConfig, fmt: OutputFormat) -> None:
         check_config(cfg)
     except ValueError as exc:
         fail(str(exc), 2)
-    res = run_main_job(cfg, _with_progress)
+    grown = fitted(cfg)
+    if grown.l1_tokens != cfg.l1_tokens:
+        stderr.print(f"hicache bench: L1 {grown.l1_tokens} tokens, L2 {grown.l2_tokens} (grown "
+                     f"from {cfg.l1_tokens} / {cfg.l2_tokens} to fit the trace's largest "
+                     f"request)", highlight=False)
+    res = run_main_job(grown, _with_progress)
     failed = {k: r["first_error"] for k, r in res["runs"].items() if r["requests"]["failed"]}
     if fmt is OutputFormat.json:
         emit_json(res)

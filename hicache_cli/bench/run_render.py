@@ -16,23 +16,42 @@ if TYPE_CHECKING:  # the driver loads the HTTP client: only when a run starts
     from engine.loadgen.workloads import Workload
 
 
+PROGRESS_EVERY_S = 10.0
+"""Without a terminal (a pipe, a log file, CI): one progress line on stderr at most this often."""
+
+
 def run_with_progress(workload: Workload, cfg: LoadConfig, *, label: str = "",
-                      show: bool = True) -> LoadResult:
-    """``run_load`` with a rich progress bar on stderr (drawn only when stderr is a terminal)."""
+                      show: bool = True, every_s: float = PROGRESS_EVERY_S) -> LoadResult:
+    """``run_load`` with a rich progress bar on stderr when stderr is a terminal, else a plain
+    line (``LABEL: N/TOTAL requests, E errors, T s``) every ``every_s`` seconds, so a long run
+    piped to a file still says it is alive."""
+    import time
+
     from engine.loadgen.driver import run_load
 
+    bar = show and stderr.is_terminal
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
                         MofNCompleteColumn(), TextColumn("{task.fields[errs]} errors"),
-                        TimeElapsedColumn(), console=stderr, transient=True,
-                        disable=not (show and stderr.is_terminal))
+                        TimeElapsedColumn(), console=stderr, transient=True, disable=not bar)
+    name = label or workload.name
+    total = workload.total_requests
+    t0 = time.monotonic()
+    last = t0
     with progress:
-        task = progress.add_task(label or workload.name, total=workload.total_requests, errs=0)
-        errs = 0
+        task = progress.add_task(name, total=total, errs=0)
+        errs = done = 0
 
         def on_record(rec: RequestRecord) -> None:
-            nonlocal errs
+            nonlocal errs, done, last
             errs += not rec.ok
+            done += 1
             progress.update(task, advance=1, errs=errs)
+            now = time.monotonic()
+            if show and not bar and now - last >= every_s:
+                last = now
+                of = f"/{total}" if total else ""
+                stderr.print(f"{name}: {done}{of} requests, {errs} errors, {now - t0:.0f} s",
+                             highlight=False, markup=False)
 
         return run_load(workload, cfg, on_record=on_record)
 

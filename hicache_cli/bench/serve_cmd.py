@@ -377,8 +377,7 @@ def _serve(cfg, fmt: OutputFormat, dump_path: Optional[Path]) -> None:
         if dump_path is not None:
             from engine.snapshot.take import write_snapshot
 
-            n = write_snapshot(dump_path, engine.cache,
-                               {"model": engine.model_name, "source": "bench serve"})
+            n = write_snapshot(dump_path, engine.cache, engine.snapshot_meta())
             stderr.print(f"wrote {dump_path} ({n} nodes)")
 
     try:

@@ -309,7 +309,7 @@ async def dump_tree(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     from engine.snapshot.take import encode_snapshot, snapshot_of
 
-    meta = {"model": engine.model_name, "source": "bench serve"}
+    meta = engine.snapshot_meta()
     # Only the copy of the tree runs on the scheduler thread; encoding runs off it.
     snap = await _on_scheduler(engine, lambda: snapshot_of(engine.cache, meta))
     data = await asyncio.get_running_loop().run_in_executor(None, encode_snapshot, snap)

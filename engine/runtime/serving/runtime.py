@@ -320,6 +320,11 @@ class Engine:
 
         self._stage_ids, self.stage_procs, self._stage_board = start_ranks(cfg)
 
+    def snapshot_meta(self) -> dict:
+        """What a tree snapshot of this server says about it: the served name, and the model
+        spec it ran (``hicache inspect --prefix TEXT`` picks its tokenizer from it)."""
+        return {"model": self.model_name, "model_path": self.cfg.model, "source": "bench serve"}
+
     def flush(self, scope: str = "cache") -> "concurrent.futures.Future[dict]":
         """Empty the tiers ``scope`` names (a :class:`~engine.cache.types.FlushScope` value:
         cache = L1 + L2, storage = L3, all) on every pipeline stage / TP-CP rank. Call on the
