@@ -48,7 +48,14 @@ def collect_logs(paths: Sequence[str | os.PathLike]) -> list[str]:
             found = sorted(n for n in os.listdir(p) if n.endswith(SUFFIXES)
                            and os.path.isfile(os.path.join(p, n)))
             if not found:
-                raise InputError(f"{p}: no *.ranklog or *.jsonl files in this directory")
+                subs = sorted(n for n in os.listdir(p) if os.path.isdir(os.path.join(p, n)) and
+                              any(f.endswith(SUFFIXES) for f in os.listdir(os.path.join(p, n))))
+                hint = ""
+                if subs:
+                    shown = ", ".join(subs[:6]) + (", …" if len(subs) > 6 else "")
+                    hint = (f"; its subdirectories hold rank logs (one replica each): give one, "
+                            f"e.g. {os.path.join(p, subs[0])} ({shown})")
+                raise InputError(f"{p}: no *.ranklog or *.jsonl files in this directory{hint}")
             for n in found:
                 full = os.path.join(p, n)
                 out.setdefault(os.path.realpath(full), full)
