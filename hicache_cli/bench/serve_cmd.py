@@ -206,6 +206,7 @@ def serve_cmd(
     """
     opts = dict(locals())
     del opts["ctx"]
+    _say_loading(model)
     opts["context_length"] = None
     known = [n for p in ctx.command.params for n in p.opts]
     apply_extra(ctx.args, opts, known, lambda msg: stderr.print(f"hicache bench serve: {msg}"))
@@ -220,6 +221,15 @@ def serve_cmd(
         _serve_node(cfg, fmt)
         return
     _serve(cfg, fmt, dump_path)
+
+
+def _say_loading(model: str) -> None:
+    """A real checkpoint takes seconds to load (smollm2-135m: 10-20 s on 2 cores): say so at
+    once instead of printing nothing until the server listens. Presets load in a blink."""
+    from engine.runtime.model.config import PRESETS
+
+    if model not in PRESETS:
+        stderr.print(f"hicache bench serve: loading {model} …", highlight=False, markup=False)
 
 
 def _serve_node(cfg, fmt: OutputFormat) -> None:
