@@ -164,7 +164,7 @@ class _Server:
         cmd = cmd.rstrip("& ")
         if "--port" not in cmd:
             cmd += f" --port {port}"
-        self.proc = subprocess.Popen(cmd, shell=True, cwd=cwd, env=_env(),
+        self.proc = subprocess.Popen("exec " + cmd, shell=True, cwd=cwd, env=_env(),
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)
         url = f"http://127.0.0.1:{port}"
