@@ -55,8 +55,9 @@ Hot = Annotated[Optional[int], _O("--hot", metavar="N", help="The N prefixes wit
 Prefix = Annotated[Optional[str], _O("--prefix", metavar="TOKENS|TEXT", help="Where this prompt "
                                      "would hit (L1/L2/L3): comma-separated token ids, or text "
                                      "(byte tokenizer).")]
-Namespace = Annotated[Optional[str], _O("--namespace", help="Namespace for --prefix (LoRA id / "
-                                                            "cache salt).")]
+Namespace = Annotated[Optional[str], _O("--namespace", help="Namespace for --prefix, as inspect "
+                                        "shows it: a bare name, or fields such as "
+                                        "'cache_salt=\"A\" lora_path=\"X\"'.")]
 Owners = Annotated[bool, _O("--owners", help="CP owner distribution and rotation segments.")]
 Diff = Annotated[Optional[Path], _O("--diff", metavar="OTHER", help="Pages in one snapshot and "
                                     "not the other, and tier changes (by token path).")]
