@@ -125,7 +125,7 @@ def _live_and_loaded(cache, loaded) -> None:
         assert {k: v.id for k, v in a.children.items()} == \
             {k: v.id for k, v in b.children.items()}
     assert loaded.num_nodes == cache.tree.num_nodes
-    assert {ns: r.id for ns, r in cache.tree.roots.items()} == \
+    assert {text_of(ns): r.id for ns, r in cache.tree.roots.items()} == \
         {ns: r.id for ns, r in loaded.roots.items()}
 
 
