@@ -52,6 +52,7 @@ class ServerConfig:
     hicache_storage_prefetch_timeout: float = 2.0    # seconds, for "timeout"
     hicache_storage_layout: str = "unified"          # unified | legacy (per-rank keys)
     hicache_storage_grid: str | None = None          # unified: "layers=N,heads=N" / "tp=N,pp=N"
+    hicache_model_fingerprint: str | None = None     # declare builds identical (model_id.py)
     rank_log_dir: str | None = None    # write this rank's event log there on shutdown
     inject_divergence: str | None = None  # debug: break this rank's decisions (engine.parallel.divergence)
     tokenizer_dir: str | None = None   # where to export the preset's HF tokenizer (default: temp)
@@ -132,6 +133,9 @@ class ServerConfig:
                 self.hicache_storage_grid is not None:
             raise ValueError("--hicache-storage-grid applies to the unified layout only")
         check_grid_spec(self.hicache_storage_grid)
+        from engine.runtime.serving.model_id import check_fingerprint
+
+        check_fingerprint(self.hicache_model_fingerprint)
         self.spec_config()
         if self.disaggregation is not None:
             from engine.runtime.pd.serve import check_options
