@@ -106,3 +106,32 @@ def test_declared_fingerprint_shares_across_builds(two_checkpoints, tmp_path):
     other = served(b_dir, tmp_path, hicache_model_fingerprint="build-8")
     assert storage_hits(other) == 0
     assert json.dumps(b["info"]["model_tag"]).startswith('"declared-')
+
+
+def test_convert_layout_keeps_the_fingerprint_and_picks_one_model(two_checkpoints, tmp_path):
+    """A store both builds wrote (legacy layout) mixes two model tags: convert-layout refuses
+    naming both and the flag that picks; --model-tag converts one build's objects, which that
+    build then hits (and the other does not)."""
+    from typer.testing import CliRunner
+
+    from hicache_cli.app import app
+
+    a_dir, b_dir = two_checkpoints
+    src, dst = tmp_path / "legacy", tmp_path / "unified"
+    a = served(a_dir, src, hicache_storage_layout="legacy")
+    b = served(b_dir, src, hicache_storage_layout="legacy")
+    tag_a, tag_b = a["info"]["model_tag"], b["info"]["model_tag"]
+    res = CliRunner().invoke(app, ["convert-layout", str(src), str(dst), "--to", "unified"])
+    assert res.exit_code == 1, res.output
+    assert tag_a in res.output and tag_b in res.output and "--model-tag" in res.output
+    res = CliRunner().invoke(app, ["convert-layout", str(src), str(dst), "--model-tag", "x"])
+    assert res.exit_code == 1 and tag_a in res.output, res.output
+    res = CliRunner().invoke(app, ["convert-layout", str(src), str(dst), "--to", "unified",
+                                   "--model-tag", tag_a, "--format", "json"])
+    assert res.exit_code == 0, res.output
+    s = json.loads(res.stdout)
+    assert s["model_tag"] == tag_a and s["other_layout"] > 0 and s["written"] > 0
+    got_b = served(b_dir, dst)
+    assert storage_hits(got_b) == 0 and got_b["output_ids"] == b["output_ids"]
+    got_a = served(a_dir, dst)
+    assert storage_hits(got_a) > 0 and got_a["output_ids"] == a["output_ids"]
