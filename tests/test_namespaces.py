@@ -240,3 +240,50 @@ def test_tp2_namespaces_never_share(tmp_path):
         again = gen(s.url, ids, {"cache_salt": "A"}, n=4)
         assert cached(again, "storage") >= (PROMPT_PAGES - 1) * PAGE
         assert again["output_ids"] == first["output_ids"]
+
+
+# -- P/D: the namespace crosses the link -------------------------------------------------------
+def test_pd_namespaces_never_share():
+    cfg = ServerConfig(model="tiny", port=0, page_size=PAGE, l1_tokens=4096, l2_tokens=8192,
+                       chunked_prefill_size=128, disaggregation="pd", pd_transfer_timeout=60.0)
+    ids = prompt(98)
+    with start_server(cfg) as s:
+        first = gen(s.url, ids, {"cache_salt": "A", "lora_path": "X"}, n=4)
+        for other in ({"cache_salt": "A"}, {"lora_path": "A"}, {"lora_path": "X"}, {}):
+            out = gen(s.url, ids, other)
+            assert cached(out) == 0 and out["meta_info"]["pd_transfer"]["prefill_cached"] == 0
+        again = gen(s.url, ids, {"lora_path": "X", "cache_salt": "A"}, n=4)
+        assert cached(again) >= (PROMPT_PAGES - 1) * PAGE
+        assert again["output_ids"] == first["output_ids"]
+
+
+# -- snapshots and hicache inspect show the fields ---------------------------------------------
+def test_inspect_shows_and_selects_namespaces_by_their_fields(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from engine.snapshot.take import write_snapshot
+    from hicache_cli.app import app
+
+    c = make_cache(page_size=4, l1_pages=16)
+    toks = np.arange(12)
+    serve(c, toks, namespace=typed("cache_salt=A+lora_path=X"))
+    serve(c, toks[:8], namespace=typed("lora_path=A"))
+    path = tmp_path / "t.snapshot"
+    write_snapshot(path, c)
+    res = CliRunner().invoke(app, ["inspect", str(path)])
+    assert res.exit_code == 0, res.output
+    assert 'namespace lora_path="X" cache_salt="A"' in res.output
+    assert 'namespace lora_path="A"' in res.output
+    prefix = ",".join(map(str, toks.tolist()))
+    for text, hit in (('cache_salt="A" lora_path="X"', 12), ('lora_path="A"', 8),
+                      ('cache_salt="A"', 0), ("A", 0), (None, 0)):
+        args = ["inspect", str(path), "--prefix", prefix, "--format", "json"]
+        res = CliRunner().invoke(app, args + (["--namespace", text] if text else []))
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.stdout)["prefix"]["l1_len"] == hit, text
+    res = CliRunner().invoke(app, ["inspect", str(path), "--prefix", prefix, "--namespace",
+                                   'colour="red"'])
+    assert res.exit_code == 2 or res.exit_code == 1
+    assert "colour" in res.output and "Traceback" not in res.output
