@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import pickle
 
 import numpy as np
 import pytest
@@ -77,6 +78,8 @@ def test_every_namespace_has_its_own_seed_and_text():
         assert parse_text(texts[n]) == typed(n)
         assert from_wire(None if typed(n) is None else typed(n).to_wire()) == typed(n)
     assert texts["cache_salt=A+lora_path=X"] == 'lora_path="X" cache_salt="A"'
+    ns = typed("cache_salt=A+lora_path=X")        # what CP/TP/PP ranks broadcast
+    assert pickle.loads(pickle.dumps(ns)) == ns and hash(pickle.loads(pickle.dumps(ns))) == hash(ns)
     assert texts["namespace=A"] == "A"             # what snapshots always showed for a name
 
 
