@@ -162,8 +162,10 @@ def test_openai_routes_refuse_another_model_name(server):
                          {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})):
         r = requests.post(server.url + route, json={**body, "model": "my-adapter"}, timeout=60)
         assert r.status_code == 400 and "'model'" in r.text, r.text
-        ok = requests.post(server.url + route, json={**body, "model": "tiny"}, timeout=60)
-        assert ok.status_code == 200, ok.text
+        tok_path = requests.get(server.url + "/model_info", timeout=30).json()["tokenizer_path"]
+        for name in ("tiny", tok_path):   # the served name, or the path clients load it from
+            ok = requests.post(server.url + route, json={**body, "model": name}, timeout=60)
+            assert ok.status_code == 200, ok.text
     r = requests.post(server.url + "/generate", json={"input_ids": [1, 2], "lora_name": "A"},
                       timeout=60)
     assert r.status_code == 400 and "lora_name" in r.text

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 import uuid
 from typing import Any, Callable
@@ -149,7 +150,12 @@ def _check_model(engine: Engine, model: str | None) -> None:
     be an adapter (vLLM's ``model=<adapter>``, SGLang's ``base:adapter``) this server does not
     have; serving the base model under it would share the base model's cache, so it is
     refused."""
-    if model is None or model in (engine.model_name, engine.model.cfg.name, engine.cfg.model):
+    if model is None:
+        return
+    known = {engine.model_name, engine.model.cfg.name, engine.cfg.model}
+    paths = [p for p in (engine.cfg.model, engine.tokenizer_path) if p]   # /model_info's paths:
+    known.update(os.path.abspath(p) for p in paths if os.path.isdir(p))   # clients send them
+    if model in known or (os.path.isabs(model) and os.path.normpath(model) in known):
         return
     raise InputError(f"field 'model': {model!r} is not served here (this server serves "
                      f"{engine.model_name!r} and no adapters; name a cache namespace with "
