@@ -46,6 +46,7 @@ def _mb(n: float) -> str:
 
 def _human_plan(s: dict[str, Any], title: str) -> None:
     stdout.print(f"{title}: {s['source_layout']} -> {s['target_layout']}")
+    stdout.print(f"  model tag: {s['model_tag']} (kept)")
     stdout.print(f"  in:  {s['objects_in']:,} objects, {_mb(s['bytes_in'])} "
                  f"({s['pages']:,} pages)")
     stdout.print(f"  out: {s['objects_out']:,} objects, {_mb(s['bytes_out'])} "
@@ -85,7 +86,8 @@ def _run(src, dst, plan, verify: bool, fmt: OutputFormat):
 
 
 def convert(src_spec: str, dst_spec: str, to: str, from_: Optional[str], verify: bool,
-            dry_run: bool, max_bytes: Optional[str], fmt: OutputFormat) -> None:
+            dry_run: bool, max_bytes: Optional[str], fmt: OutputFormat,
+            model_tag: Optional[str] = None) -> None:
     from engine.core.errors import InputError
     from engine.storage.config import parse_size
     from engine.storage.convert import plan as make_plan
@@ -105,7 +107,7 @@ def convert(src_spec: str, dst_spec: str, to: str, from_: Optional[str], verify:
         with usage():
             dst = open_endpoint(dst_spec, source=False, dry_run=dry_run)
         try:
-            plan = make_plan(src, dst, to, from_, limit)
+            plan = make_plan(src, dst, to, from_, limit, model_tag=model_tag)
             if dry_run:
                 s = {**plan.summary(), "dry_run": True}
                 emit_json(s) if fmt is OutputFormat.json else _human_plan(s, "plan")
@@ -148,6 +150,10 @@ def register(app: typer.Typer) -> None:
         max_bytes: Optional[str] = typer.Option(None, "--max-bytes", help="Room the "
                                                 "destination may use, e.g. 10GiB (refused up "
                                                 "front when the conversion needs more)."),
+        model_tag: Optional[str] = typer.Option(None, "--model-tag", metavar="TAG", help="Convert "
+                                                "only the objects of this model (its name and "
+                                                "fingerprint, as the error listing a mixed "
+                                                "source or --dry-run shows it)."),
         fmt: Format = OutputFormat.human,
     ) -> None:
-        convert(src, dst, to, from_, verify, dry_run, max_bytes, fmt)
+        convert(src, dst, to, from_, verify, dry_run, max_bytes, fmt, model_tag=model_tag)

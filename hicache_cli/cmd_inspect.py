@@ -108,8 +108,9 @@ TokenizerOpt = Annotated[Optional[str], _O("--tokenizer", metavar="MODEL|DIR", h
                                            "smollm2-135m, a checkpoint directory); default: the "
                                            "snapshot's model when it is a preset or "
                                            "smollm2-135m.")]
-Namespace = Annotated[Optional[str], _O("--namespace", help="Namespace for --prefix (LoRA id / "
-                                                            "cache salt).")]
+Namespace = Annotated[Optional[str], _O("--namespace", help="Namespace for --prefix, as inspect "
+                                        "shows it: a bare name, or fields such as "
+                                        "'cache_salt=\"A\" lora_path=\"X\"'.")]
 Owners = Annotated[bool, _O("--owners", help="CP owner distribution and rotation segments.")]
 Diff = Annotated[Optional[Path], _O("--diff", metavar="OTHER", help="Pages in one snapshot and "
                                     "not the other, and tier changes (by token path).")]

@@ -39,7 +39,10 @@ def _preview(tokens: list[int], more: bool) -> str:
 
 
 def _ns(ns: str | None) -> str:
-    return "(default namespace)" if ns is None else f"namespace {ns!r}"
+    """A namespace's text: a bare name (quoted) or its fields (``cache_salt="A" ...``)."""
+    if ns is None:
+        return "(default namespace)"
+    return f"namespace {ns}" if "=" in ns else f"namespace {ns!r}"
 
 
 def _table(headers: list[str], rows: list[list[Any]], right: set[int]) -> list[str]:
@@ -189,7 +192,7 @@ def render_prefix(m: dict, page_size: int) -> None:
     part = n - aligned
     _print(f"prompt    {_n(n)} tokens ({aligned // page_size} full pages of {page_size}"
            + (f" + {part} in a partial page" if part else "") + ") in the "
-           + ("default namespace" if m["namespace"] is None else f"namespace {m['namespace']!r}"))
+           + ("default namespace" if m["namespace"] is None else _ns(m["namespace"])))
     pct = f" ({100 * m['hit_tokens'] / n:.1f}%)" if n else ""
     _print(f"hit       {_n(m['hit_tokens'])} tokens{pct}: L1 {_n(m['l1_len'])}, "
            f"L2 {_n(m['l2_len'])}, L3 {_n(m['l3_len'])}; miss {_n(m['miss_tokens'])}")

@@ -11,6 +11,7 @@ import pytest
 
 from checkers.invariants import check_tree
 from engine.core.errors import InputError
+from engine.core.namespace import text_of
 from engine.snapshot import views as sv
 from engine.snapshot.take import load_snapshot, snapshot_bytes, snapshot_of, write_snapshot
 from formats import snapshot as fmt
@@ -114,7 +115,7 @@ def _live_and_loaded(cache, loaded) -> None:
     for nid, a in live.items():
         b = got[nid]
         assert np.array_equal(a.tokens, b.tokens)
-        assert a.parent.id == b.parent.id and a.namespace == b.namespace
+        assert a.parent.id == b.parent.id and text_of(a.namespace) == b.namespace  # its text
         for tier in ("l1", "l2"):
             x, y = getattr(a, tier), getattr(b, tier)
             assert (x is None) == (y is None) and (x is None or np.array_equal(x, y))
@@ -124,7 +125,7 @@ def _live_and_loaded(cache, loaded) -> None:
         assert {k: v.id for k, v in a.children.items()} == \
             {k: v.id for k, v in b.children.items()}
     assert loaded.num_nodes == cache.tree.num_nodes
-    assert {ns: r.id for ns, r in cache.tree.roots.items()} == \
+    assert {text_of(ns): r.id for ns, r in cache.tree.roots.items()} == \
         {ns: r.id for ns, r in loaded.roots.items()}
 
 

@@ -40,6 +40,7 @@ from engine.cache.types import (  # noqa: F401 (CacheConfig, as_tokens re-export
 )
 from engine.core.device import resolve_device
 from engine.core.errors import OutOfCapacity
+from engine.core.namespace import Namespace, as_namespace
 
 _STAT_COUNTERS = ("match_tokens", "hit_l1_tokens", "hit_l2_tokens", "hit_l3_tokens",
                   "loadback_pages", "loadback_ops", "backup_pages", "evicted_l1_pages",
@@ -124,9 +125,9 @@ class HiCache:
                          adopt=adopt)
 
     # ------------------------------------------------------------------ admission
-    def admit(self, tokens: Sequence[int] | np.ndarray, namespace: str | None = None, *,
-              rid: Any = None, priority: int = 0, extra_pages: int = 0,
-              reuse: bool = True, place: Any = None) -> Admission | None:
+    def admit(self, tokens: Sequence[int] | np.ndarray,
+              namespace: Namespace | str | None = None, *, rid: Any = None, priority: int = 0,
+              extra_pages: int = 0, reuse: bool = True, place: Any = None) -> Admission | None:
         """Admit a request in one all-or-nothing step: match → lock → alloc → load-back.
 
         Reserves the request's L1 page table: one page per page of ``tokens`` (the last one may
@@ -143,6 +144,7 @@ class HiCache:
         owner rotation, ``engine.parallel.cp_cache``); default: plain :meth:`alloc`.
         """
         p = self.page_size
+        namespace = as_namespace(namespace)
         total = -(-len(tokens) // p) + extra_pages
         if not reuse:
             try:
@@ -169,9 +171,12 @@ class HiCache:
         return Admission.of_match(m, receipt, own, load, p)
 
     # ------------------------------------------------------------------ match / lock
-    def match(self, tokens: Sequence[int] | np.ndarray, namespace: str | None = None,
+    def match(self, tokens: Sequence[int] | np.ndarray, namespace: Namespace | str | None = None,
               rid: Any = None, priority: int = 0) -> MatchResult:
+        """``namespace``: a :class:`~engine.core.namespace.Namespace`, a string (its
+        ``namespace`` field) or ``None`` (the default one); namespaces never share a node."""
         toks = as_tokens(tokens)
+        namespace = as_namespace(namespace)
         tree = self.tree
         path, _ = tree.walk(toks, namespace)
         push = self._push_candidate
@@ -317,7 +322,7 @@ class HiCache:
 
     # ------------------------------------------------------------------ insert
     def insert(self, tokens: Sequence[int] | np.ndarray, pages: np.ndarray,
-               namespace: str | None = None, rid: Any = None, priority: int = 0,
+               namespace: Namespace | str | None = None, rid: Any = None, priority: int = 0,
                prefix_hashes: Sequence = (), after: "LockReceipt | None" = None
                ) -> Node | None:
         """Take ownership of ``pages`` (one L1 page per full page of ``tokens``).
@@ -330,6 +335,7 @@ class HiCache:
         its node is a prefix of ``tokens`` and cannot have left the tree, so the walk resumes
         there instead of at the root."""
         p = self.page_size
+        namespace = as_namespace(namespace)
         toks = as_tokens(tokens)
         n_full = len(toks) // p
         pages = np.asarray(pages, dtype=np.int64)

@@ -27,6 +27,7 @@ import numpy as np
 from engine.cache.events import EV
 from engine.core.choices import Choice
 from engine.core.hashing import PageHash, namespace_seed, page_hashes
+from engine.core.namespace import Namespace
 from formats.ranklog_events import OpId
 
 log = logging.getLogger("hicache.l3")
@@ -40,7 +41,7 @@ class PrefetchPolicy(Choice):
     TIMEOUT = "timeout"
 
 
-def chain_hashes(tokens: np.ndarray, page_size: int, namespace: str | None,
+def chain_hashes(tokens: np.ndarray, page_size: int, namespace: Namespace | str | None,
                  prefix: Sequence[PageHash] = ()) -> list[PageHash]:
     """Chained page hashes of every full page of ``tokens``, reusing ``prefix`` hashes."""
     n_full = len(tokens) // page_size
@@ -221,7 +222,7 @@ class L3Tier:
         self.ordered = False
 
     # -- jobs ----------------------------------------------------------------------------------
-    def hashes(self, tokens: np.ndarray, namespace: str | None,
+    def hashes(self, tokens: np.ndarray, namespace: Namespace | str | None,
                prefix: Sequence[PageHash] = ()) -> list[PageHash]:
         return chain_hashes(tokens, self.page_size, namespace, prefix)
 

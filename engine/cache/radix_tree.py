@@ -1,7 +1,9 @@
 """The prefix index: a radix tree over token *pages*.
 
-Nodes hold page ids per tier (never tensors). Each namespace (LoRA id / cache salt) has its own
-root, so different namespaces never share a node. Children are found by the bytes of their
+Nodes hold page ids per tier (never tensors). Each namespace (a frozen
+:class:`~engine.core.namespace.Namespace`: adapter, cache salt, extra key, ...; ``None`` for the
+default) has its own root, so different namespaces never share a node (the facade normalises
+what callers pass; a snapshot's tree keys its roots by the namespaces' text). Children are found by the bytes of their
 first page (page-granular lookup, no per-token Python loops); edges are numpy arrays compared
 vectorised.
 
@@ -11,7 +13,7 @@ does, and keeps the per-node bookkeeping fields (``n_l1_children``, ``loading``,
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -88,7 +90,7 @@ class RadixTree:
         self.num_nodes += 1
         return node
 
-    def root(self, namespace: str | None) -> Node:
+    def root(self, namespace: Any) -> Node:
         r = self.roots.get(namespace)
         if r is None:
             r = self._new_node(None, np.empty(0, dtype=TOKEN_DTYPE), namespace)
@@ -156,7 +158,7 @@ class RadixTree:
         self.num_nodes -= 1
 
     # -- lookup -----------------------------------------------------------------------------
-    def walk(self, tokens: np.ndarray, namespace: str | None, split: bool = True,
+    def walk(self, tokens: np.ndarray, namespace: Any, split: bool = True,
              start: Node | None = None) -> tuple[list[Node], int]:
         """Longest page-aligned prefix of ``tokens`` present in the tree.
 

@@ -14,6 +14,7 @@ import numpy as np
 from engine.cache.radix_tree import TOKEN_DTYPE
 from engine.cache.transfer import TransferOp
 from engine.core.choices import Choice
+from engine.core.namespace import Namespace
 
 if TYPE_CHECKING:  # the layout module imports torch; a metadata-only cache never needs it
     from engine.core.layout import KVLayout
@@ -96,7 +97,7 @@ class MatchResult:
     """
 
     rid: Any
-    namespace: str | None
+    namespace: Namespace | None
     l1_len: int
     l2_len: int
     l3_len: int
@@ -141,7 +142,7 @@ class Admission:
     """
 
     rid: Any
-    namespace: str | None
+    namespace: Namespace | None
     pages: np.ndarray
     n_prefix_pages: int
     receipt: LockReceipt | None          # None: admitted without the prefix cache

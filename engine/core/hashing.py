@@ -8,7 +8,7 @@ interoperate; it never depends on Python's ``hash()`` or ``PYTHONHASHSEED``.
 from __future__ import annotations
 
 import hashlib
-from typing import NewType, Sequence
+from typing import Any, NewType, Sequence
 
 import numpy as np
 
@@ -16,14 +16,16 @@ PageHash = NewType("PageHash", bytes)
 """A 32-byte SHA-256 digest naming one page *and its whole prefix*."""
 
 
-def namespace_seed(namespace: str | None) -> PageHash | None:
-    """The chain seed for a namespace (LoRA id / cache salt); ``None`` for the default one.
+def namespace_seed(namespace: Any) -> PageHash | None:
+    """The chain seed for a namespace (:class:`engine.core.namespace.Namespace`, or a string:
+    its ``namespace`` field); ``None`` for the default one.
 
     Different namespaces get different seeds, so identical tokens never share a key.
     """
-    if namespace is None or namespace == "":
-        return None
-    return PageHash(hashlib.sha256(b"hicache-namespace\x00" + namespace.encode("utf-8")).digest())
+    from engine.core.namespace import as_namespace
+
+    ns = as_namespace(namespace)
+    return None if ns is None else PageHash(ns.seed())
 
 
 def _as_u32le(tokens: Sequence[int] | np.ndarray) -> np.ndarray:

@@ -28,6 +28,7 @@ from engine.cache.facade import HiCache
 from engine.cache.policy import EvictionPolicy
 from engine.cache.radix_tree import Node
 from engine.cache.types import Admission, CacheConfig, LockReceipt, MatchResult, as_tokens
+from engine.core.namespace import Namespace, as_namespace
 from engine.parallel.cp import CPShape, OwnerAllocator
 from formats.ranklog_events import CP_ALLOC, CP_CUT
 
@@ -95,7 +96,7 @@ class CPCache:
         first = self.shape.next_owner(self._start(m), len(m.l1_pages))
         return self._alloc_rotation(n_pages, first, m.rid)
 
-    def admit(self, tokens, namespace: str | None = None, *, rid: Any = None, priority: int = 0,
+    def admit(self, tokens, namespace: Namespace | str | None = None, *, rid: Any = None, priority: int = 0,
               extra_pages: int = 0, reuse: bool = True) -> Admission | None:
         """:meth:`HiCache.admit` (all or nothing: match, lock, allocate, load back) with every
         page the request allocates continuing the owner rotation of its prefix."""
@@ -172,7 +173,7 @@ class CPCache:
         node.cp_owner = int(node.l2[0]) % self.shape.size
 
     # ------------------------------------------------------------------ insert
-    def insert(self, tokens, pages: np.ndarray, namespace: str | None = None, rid: Any = None,
+    def insert(self, tokens, pages: np.ndarray, namespace: Namespace | str | None = None, rid: Any = None,
                priority: int = 0, prefix_hashes: Sequence = (),
                after: LockReceipt | None = None) -> Node | None:
         """:meth:`HiCache.insert`, cut at the first page whose owner breaks the rotation of
@@ -184,6 +185,7 @@ class CPCache:
         if len(pages) != n_full:
             raise ValueError(f"insert needs {n_full} pages for {len(toks)} tokens, "
                              f"got {len(pages)}")
+        namespace = as_namespace(namespace)
         cut = self._first_break(toks[:n_full * p], pages, namespace, after)
         if cut < n_full:
             self.cuts += 1
@@ -199,7 +201,7 @@ class CPCache:
             last.cp_owner = int(last.l1[0]) % n
         return last
 
-    def _first_break(self, toks: np.ndarray, pages: np.ndarray, namespace: str | None,
+    def _first_break(self, toks: np.ndarray, pages: np.ndarray, namespace: Namespace | str | None,
                      after: LockReceipt | None) -> int:
         """Index of the first page the tree could not take without breaking a rotation."""
         p, n = self.cache.page_size, self.shape.size

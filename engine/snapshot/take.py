@@ -26,6 +26,7 @@ import numpy as np
 
 from engine.cache.radix_tree import TOKEN_DTYPE, Node, RadixTree
 from engine.core.errors import InputError
+from engine.core.namespace import text_of
 from formats import snapshot as fmt
 from formats.errors import FormatError
 
@@ -104,13 +105,13 @@ def snapshot_of(cache_or_tree: Any, meta: Mapping[str, Any] | None = None) -> Tr
 
     nodes: list[fmt.NodeRecord] = []
     stack = [r for _, r in sorted(tree.roots.items(), key=lambda kv: (kv[0] is not None,
-                                                                      kv[0] or ""))]
+                                                                      text_of(kv[0]) or ""))]
     stack.reverse()
     while stack:  # pre-order: parents first, and each subtree contiguous
         n = stack.pop()
         nodes.append(fmt.NodeRecord(
             n.id, None if n.parent is None else n.parent.id, raw(n.tokens, "<u4"),
-            n.namespace, raw(n.l1, "<i8"), raw(n.l2, "<i8"), int(n.l3 or 0), n.lock_ref,
+            text_of(n.namespace), raw(n.l1, "<i8"), raw(n.l2, "<i8"), int(n.l3 or 0), n.lock_ref,
             n.hit_count, n.last_access, getattr(n, "priority", 0),
             None if n.cp_owner is None else int(n.cp_owner), _inflight(n)))
         kids = n.children.values() if isinstance(n.children, dict) else n.children

@@ -12,6 +12,7 @@ import numpy as np
 
 from engine.cache.radix_tree import TOKEN_DTYPE
 from engine.core.errors import InputError
+from engine.core.namespace import parse_text, text_of
 from engine.snapshot.take import TIER_NAMES, SnapshotTree, tiers_label
 from formats import snapshot as fmt
 
@@ -127,12 +128,25 @@ def hot(snap: SnapshotTree, n: int = 10, preview: int = 4) -> list[dict]:
     return out
 
 
+def _namespace_key(snap: SnapshotTree, namespace: str | None) -> str | None:
+    """The root key of a namespace given as text (``hicache inspect --namespace``): the
+    snapshot keys roots by the canonical text (engine.core.namespace), so ``cache_salt="A"``
+    and ``namespace="x"``-style spellings find theirs."""
+    try:
+        return text_of(parse_text(namespace))
+    except ValueError as exc:
+        if namespace in snap.roots:      # a snapshot written before namespaces were typed
+            return namespace
+        raise InputError(str(exc)) from None
+
+
 def match(snap: SnapshotTree, tokens: np.ndarray, namespace: str | None = None) -> dict:
     """Where a prompt would hit, as :meth:`HiCache.match` decides: the page-aligned path
     through the tree (the tree's own ``walk``), L1 while nodes are on L1 (and not still
     loading), then L2, then the pages the snapshot records as stored in L3."""
     p = snap.page_size
     toks = np.asarray(tokens, dtype=TOKEN_DTYPE)
+    namespace = _namespace_key(snap, namespace)
     path, matched = snap.tree.walk(toks, namespace, split=False)
     lens = dict.fromkeys(TIER_NAMES, 0)
     steps = []

@@ -172,9 +172,11 @@ def _scan(src: Endpoint, counts: dict[str, int]):
 
 
 def plan(src: Endpoint, dst: Endpoint, to: str = "unified", from_: str | None = None,
-         max_bytes: int | None = None) -> Plan:
+         max_bytes: int | None = None, model_tag: str | None = None) -> Plan:
     """Read the source's headers and decide everything; raises InputError / StorageError /
-    ValueError (bad shape strings) before anything is written."""
+    ValueError (bad shape strings) before anything is written. ``from_`` / ``model_tag``: only
+    the source objects of this layout / of this model (the tag every header carries: the
+    model's name and fingerprint)."""
     target = Placement.parse_target(to)
     chosen = Placement.parse_target(from_) if from_ else None
     if src.same_as(dst):
@@ -186,15 +188,28 @@ def plan(src: Endpoint, dst: Endpoint, to: str = "unified", from_: str | None = 
         keep = {g for g in groups if g[2] == chosen.label(models[g][0])}
         counts["other_layout"] = sum(len(groups[g]) for g in groups if g not in keep)
         groups = {g: groups[g] for g in keep}
+    if model_tag is not None:
+        tags = sorted({g[1] for g in groups})
+        keep = {g for g in groups if g[1] == model_tag}
+        if not keep and tags:
+            raise InputError(f"the source holds no objects of model tag {model_tag!r}; its "
+                             f"model tags: {', '.join(map(repr, tags))}")
+        counts["other_layout"] += sum(len(groups[g]) for g in groups if g not in keep)
+        groups = {g: groups[g] for g in keep}
     if not groups:
         raise InputError("the source holds no convertible objects" +
                          (f" of layout {from_}" if from_ else "") +
                          f" ({counts['corrupt']} corrupt, {counts['foreign']} foreign, "
                          f"{counts['other_layout']} of other layouts)")
     if len(groups) > 1:
-        desc = "; ".join(f"{g[2]} (tag {g[1]!r}): {len(v)} objects" for g, v in groups.items())
-        raise InputError(f"the source mixes {len(groups)} layouts: {desc}. Convert one at a "
-                         "time with --from LAYOUT")
+        desc = "; ".join(f"{g[2]} (model tag {g[1]!r}): {len(v)} objects"
+                         for g, v in groups.items())
+        how = [f"--from {x}" for x in sorted({g[2] for g in groups})] \
+            if len({g[2] for g in groups}) > 1 else []
+        how += [f"--model-tag {x!r}" for x in sorted({g[1] for g in groups})] \
+            if len({g[1] for g in groups}) > 1 else []
+        raise InputError(f"the source mixes {len(groups)} layouts or models: {desc}. Convert "
+                         f"one at a time: {' or '.join(how) or '--from LAYOUT'}")
     (g, objects), = groups.items()
     model, tag = models[g]
     tiles = target.all_tiles(model, tag)

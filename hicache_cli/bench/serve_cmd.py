@@ -102,6 +102,11 @@ StoreLayout = Annotated[str, _O(
 StoreGrid = Annotated[Optional[str], _O(
     "--hicache-storage-grid", help="unified layout: the fleet's cut of a page, layers=N,heads=N "
     "or tp=N,pp=N (the finest shape of the fleet); default tp=8,pp=2.")]
+ModelPrint = Annotated[Optional[str], _O(
+    "--hicache-model-fingerprint", metavar="VALUE", help="Declare this build's weights identical "
+    "to every other server given the same VALUE: their L3 objects are shared whenever the "
+    "architecture and KV dtype match (default: a digest of the loaded weights; a wrong "
+    "declaration serves another model's KV).")]
 DumpOnExit = Annotated[Optional[str], _O(
     "--dump-tree-on-exit", help="Write a radix-tree snapshot (for `hicache inspect`) when the "
     "server stops: a file, or a directory (an existing one, or a path ending in /) that gets "
@@ -181,7 +186,7 @@ def serve_cmd(
     storage_config: StoreConfig = None, storage_size_limit: SizeLimit = None,
     prefetch_policy: Prefetch = PrefetchPolicy.TIMEOUT, prefetch_timeout: PrefetchTimeout = 2.0,
     storage_layout: StoreLayout = "unified", storage_grid: StoreGrid = None,
-    rank_log_dir: RankLogDir = None, inject_divergence: InjectDivergence = None,
+    model_fingerprint: ModelPrint = None, rank_log_dir: RankLogDir = None, inject_divergence: InjectDivergence = None,
     dump_tree_on_exit: DumpOnExit = None, tokenizer_dir: TokenizerDir = None,
     served_model_name: ServedName = None, spec_tokens: SpecTokens = 0,
     spec_preset: SpecPreset = "mirror", draft_layout: DraftLayout = "packed",
@@ -319,6 +324,7 @@ def _server_config(o: dict):
             hicache_storage_prefetch_policy=o["prefetch_policy"].value,
             hicache_storage_prefetch_timeout=o["prefetch_timeout"],
             hicache_storage_layout=o["storage_layout"], hicache_storage_grid=o["storage_grid"],
+            hicache_model_fingerprint=o["model_fingerprint"],
             rank_log_dir=opt_str(o["rank_log_dir"]), inject_divergence=o["inject_divergence"],
             tokenizer_dir=opt_str(o["tokenizer_dir"]),
             served_model_name=o["served_model_name"],

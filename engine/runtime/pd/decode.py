@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.core.namespace import Namespace
 from engine.runtime.pd.link import TAG_REPLY, TAG_REQUEST, LinkError, PDLink
 
 log = logging.getLogger("hicache.pd")
@@ -130,7 +131,7 @@ class PDClient:
         for t in self._threads:
             t.start()
 
-    def fetch(self, rid: str, namespace: str | None, tokens: np.ndarray, start: int,
+    def fetch(self, rid: str, namespace: Namespace | None, tokens: np.ndarray, start: int,
               pages: np.ndarray, inner: Any, meta: dict) -> RemoteLoad | None:
         """Ask for the KV of ``tokens[start:]`` (``start`` page-aligned), to be written into
         the page table ``pages``; returns the per-layer handle (failed at once if the link is
@@ -150,7 +151,8 @@ class PDClient:
         slots = torch.as_tensor(pages[pos // p] * p + pos % p, device=self.l1.buf.device)
         h = RemoteLoad(rid, self.num_layers, slots, self.timeout_s, inner, meta)
         h.start, h.end = start, end
-        msg = {"rid": rid, "namespace": namespace, "start": int(start),
+        msg = {"rid": rid, "namespace": None if namespace is None else namespace.to_wire(),
+               "start": int(start),
                "tokens": [int(t) for t in tokens]}
         with self._cv:
             if self.down is not None:

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.core.namespace import from_wire
 from engine.runtime.model import Chunk
 from engine.runtime.pd.link import TAG_REPLY, TAG_REQUEST, LinkError, PDLink
 
@@ -73,7 +74,7 @@ class PrefillWorker:
             self.cache.poll()
 
     def handle(self, msg: dict) -> None:
-        rid, ns, start = str(msg["rid"]), msg.get("namespace"), int(msg["start"])
+        rid, ns, start = str(msg["rid"]), from_wire(msg.get("namespace")), int(msg["start"])
         toks = np.asarray(msg["tokens"], dtype=np.int64)
         end, p = len(toks), self.page_size
         assert start % p == 0 and 0 <= start < end, (start, end)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from engine.core.errors import InputError, OutOfCapacity
+from engine.core.namespace import Namespace, as_namespace
 from engine.runtime.model import Chunk, Model
 from engine.runtime.scheduler import sampling
 from engine.runtime.scheduler.params import (
@@ -75,8 +76,9 @@ class Scheduler:
     # -- thread-safe API ------------------------------------------------------------------
     def submit(self, input_ids: Sequence[int] | np.ndarray, sampling: SamplingParams,
                callback: Callback | None = None, *, rid: str | None = None,
-               namespace: str | None = None, priority: int = 0) -> str:
+               namespace: Namespace | str | None = None, priority: int = 0) -> str:
         """Queue a request; returns its id. Raises :class:`InputError` for bad requests."""
+        namespace = as_namespace(namespace)
         ids = np.asarray(input_ids, dtype=np.int64).reshape(-1)
         self.validate(ids, sampling)
         if self._thread is not None and not self._thread.is_alive():

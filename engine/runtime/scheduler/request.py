@@ -10,6 +10,7 @@ import time
 import numpy as np
 import torch
 
+from engine.core.namespace import Namespace
 from engine.runtime.scheduler.params import Callback, SamplingParams
 
 
@@ -28,7 +29,7 @@ class _Req:
                  "spec_accepted", "spec_steps", "spec_dropped", "pd")
 
     def __init__(self, rid: str, ids: np.ndarray, sampling: SamplingParams,
-                 namespace: str | None, priority: int, cb: Callback | None):
+                 namespace: Namespace | None, priority: int, cb: Callback | None):
         self.rid, self.ids, self.sampling = rid, ids, sampling
         self.namespace, self.priority, self.cb = namespace, priority, cb
         self.t_arrival = time.perf_counter()

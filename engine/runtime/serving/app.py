@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 import uuid
 from typing import Any, Callable
@@ -144,6 +145,23 @@ async def generate(request: web.Request) -> web.StreamResponse:
     return await _respond(request, batch, parsed.stream, whole, chunk)
 
 
+def _check_model(engine: Engine, model: str | None) -> None:
+    """OpenAI routes: ``model`` names the served model (or is left out). Any other name would
+    be an adapter (vLLM's ``model=<adapter>``, SGLang's ``base:adapter``) this server does not
+    have; serving the base model under it would share the base model's cache, so it is
+    refused."""
+    if model is None:
+        return
+    known = {engine.model_name, engine.model.cfg.name, engine.cfg.model}
+    paths = [p for p in (engine.cfg.model, engine.tokenizer_path) if p]   # /model_info's paths:
+    known.update(os.path.abspath(p) for p in paths if os.path.isdir(p))   # clients send them
+    if model in known or (os.path.isabs(model) and os.path.normpath(model) in known):
+        return
+    raise InputError(f"field 'model': {model!r} is not served here (this server serves "
+                     f"{engine.model_name!r} and no adapters; name a cache namespace with "
+                     "lora_path, lora_id, cache_salt, extra_key or namespace)")
+
+
 def _storage_backend(engine: Engine) -> str | None:
     return engine.cfg.hicache_storage_backend if engine.cache.l3 is not None else None
 
@@ -152,6 +170,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     tok = engine.tokenizer
     parsed = parse_completions(await _json_body(request), tok)
+    _check_model(engine, parsed.model)
     batch = Batch(engine, parsed)
     head = {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion",
             "created": int(time.time()), "model": parsed.model or engine.model_name}
@@ -202,6 +221,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     tok = engine.tokenizer
     parsed = parse_chat(await _json_body(request), tok)
+    _check_model(engine, parsed.model)
     batch = Batch(engine, parsed)
     cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
     model = parsed.model or engine.model_name

@@ -56,6 +56,7 @@ class ServerConfig:
     # every tier (benchmarks whose client can only call /flush_cache, e.g. bench_serving)
     flush_cache_scope: str = "cache"
     context_length: int | None = None  # SGLang's --context-length: requests limited below the model's
+    hicache_model_fingerprint: str | None = None     # declare builds identical (model_id.py)
     rank_log_dir: str | None = None    # write this rank's event log there on shutdown
     inject_divergence: str | None = None  # debug: break this rank's decisions (engine.parallel.divergence)
     tokenizer_dir: str | None = None   # where to export the preset's HF tokenizer (default: temp)
@@ -141,6 +142,9 @@ class ServerConfig:
                 self.hicache_storage_grid is not None:
             raise ValueError("--hicache-storage-grid applies to the unified layout only")
         check_grid_spec(self.hicache_storage_grid)
+        from engine.runtime.serving.model_id import check_fingerprint
+
+        check_fingerprint(self.hicache_model_fingerprint)
         self.spec_config()
         if self.disaggregation is not None:
             from engine.runtime.pd.serve import check_options

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from typing import Any
 
 from engine.runtime.tokenizer import Tokenizer, gguf_tokenizer, load_tokenizer
 
-__all__ = ["model_tag", "model_tokenizer"]
+__all__ = ["check_fingerprint", "model_tag", "model_tokenizer"]
 
 
 def model_tokenizer(spec: str, mc: Any) -> Tokenizer | None:
@@ -21,17 +23,31 @@ def model_tokenizer(spec: str, mc: Any) -> Tokenizer | None:
                           mc.eos_ids[0] if mc.eos_ids else None)
 
 
-def model_tag(spec: str, mc: Any) -> str:
-    """What L3 keys carry so that different models (or seeds) never share stored KV."""
-    from engine.runtime.model.gguf_loader import file_digest, resolve_gguf
+MAX_FINGERPRINT_CHARS = 256
 
-    gguf = resolve_gguf(spec)
-    if gguf is not None:
-        return f"{mc.name}/gguf-{file_digest(gguf)}"
-    if os.path.isdir(spec):
-        import hashlib
 
-        with open(os.path.join(spec, "config.json"), "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()[:16]
-        return f"{mc.name}/config-{digest}"
-    return f"{mc.name}/seed-{getattr(mc, 'seed', None)}"
+def check_fingerprint(value: str | None) -> None:
+    """``--hicache-model-fingerprint``: 1-256 printable characters (ValueError otherwise)."""
+    if value is None:
+        return
+    if not isinstance(value, str) or not value or len(value) > MAX_FINGERPRINT_CHARS \
+            or not value.isprintable():
+        raise ValueError(f"--hicache-model-fingerprint must be 1-{MAX_FINGERPRINT_CHARS} "
+                         "printable characters")
+
+
+def model_tag(mc: Any, weights_digest: str, override: str | None = None) -> str:
+    """What L3 keys and object headers carry so that different models never share stored KV:
+    the name and a digest of the KV-shaping configuration (:func:`arch_identity`) and of the
+    weights actually loaded (``weights_digest``). ``override`` (``--hicache-model-fingerprint``)
+    replaces the name and the weights: servers given the same value share objects whenever
+    their configuration matches (the operator vouches that their weights are the same)."""
+    from engine.runtime.model.fingerprint import arch_identity
+
+    arch = arch_identity(mc)
+    if override is not None:
+        check_fingerprint(override)
+        raw = json.dumps({"arch": arch, "declared": override}, sort_keys=True)
+        return f"declared-{hashlib.sha256(raw.encode()).hexdigest()[:16]}"
+    raw = json.dumps({"arch": arch, "weights": weights_digest}, sort_keys=True)
+    return f"{mc.name}/w-{hashlib.sha256(raw.encode()).hexdigest()[:16]}"

@@ -15,6 +15,9 @@ from typing import Any
 import numpy as np
 
 from engine.core.errors import InputError
+from engine.core.namespace import FIELDS as NS_FIELDS
+from engine.core.namespace import MAX_FIELD_CHARS as MAX_NS_CHARS
+from engine.core.namespace import Namespace
 from engine.runtime.scheduler import SamplingParams
 from engine.runtime.tokenizer import Tokenizer
 
@@ -29,7 +32,7 @@ class ParsedRequest:
     sampling: SamplingParams
     stream: bool = False
     rid: str | None = None
-    namespace: str | None = None
+    namespace: Namespace | None = None
     priority: int = 0
     include_usage: bool = False       # OpenAI stream_options.include_usage
     model: str | None = None
@@ -111,12 +114,29 @@ def _priority(body: dict) -> int:
     return v
 
 
-def _namespace(body: dict) -> str | None:
-    for key in ("namespace", "cache_salt", "extra_key", "lora_path"):
+REFUSED_NAMESPACE_FIELDS = ("lora_name", "lora_int_id", "lora_request")
+"""Fields other servers select an adapter with that this one does not honour: refused (400)
+rather than ignored, which would share the base model's cache."""
+
+
+def _namespace(body: dict) -> Namespace | None:
+    """The cache namespace: every field of :data:`engine.core.namespace.FIELDS` the request
+    sets (a non-empty string each), all of them together; ``None`` when none is set."""
+    for key in REFUSED_NAMESPACE_FIELDS:
+        if body.get(key) is not None:
+            raise InputError(f"field {key!r} is not supported by this server: it names "
+                             f"adapters and cache namespaces with {', '.join(NS_FIELDS)}")
+    values = {}
+    for key in NS_FIELDS:
         v = _field(body, key, "str", None)
-        if v:
-            return v
-    return None
+        if v is None:
+            continue
+        if not v:
+            raise InputError(f"field {key!r} must be a non-empty string (or left out)")
+        if len(v) > MAX_NS_CHARS:
+            raise InputError(f"field {key!r} is longer than {MAX_NS_CHARS} characters")
+        values[key] = v
+    return Namespace(**values) if values else None
 
 
 def _require_object(body: Any) -> dict:

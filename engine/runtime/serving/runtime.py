@@ -18,6 +18,7 @@ from engine.cache.facade import CacheConfig, HiCache
 from engine.core.device import resolve_device
 from engine.core.errors import UsageError
 from engine.runtime.model import Model, load_model
+from engine.runtime.model.fingerprint import weights_digest
 from engine.runtime.scheduler import Scheduler, SchedulerConfig
 from engine.runtime.serving.config import MEMORY_SHARE, MEMORY_STORE_CP, ServerConfig  # noqa: F401
 from engine.runtime.serving.model_id import model_tag, model_tokenizer
@@ -55,6 +56,10 @@ class Engine:
             backend, self.device = probe_backend(self.device, world, rank)
             self._restore_threads = share_cores(self.device, world // cfg.nnodes)
         self.model: Model = load_model(cfg.model, self.device, seed=cfg.seed, exact=cfg.exact)
+        t0 = time.perf_counter()          # the weights as loaded, before any TP/PP split
+        self.weights_digest = weights_digest(self.model.w)
+        self.fingerprint_s = time.perf_counter() - t0
+        full_cfg = self.model.cfg
         self.num_params = self.model.cfg.num_params()     # of the whole model (before TP/PP)
         if cfg.tp > 1:                  # a shape that does not split: said before spawning
             from engine.runtime.tp_serve import check_model
@@ -144,7 +149,7 @@ class Engine:
 
             check_output_dir(cfg.rank_log_dir)
             check_output_file(self._rank_log_path())
-        self.model_tag = model_tag(cfg.model, mc)
+        self.model_tag = model_tag(full_cfg, self.weights_digest, cfg.hicache_model_fingerprint)
         if self.draft is not None:           # the draft's KV is in the objects too
             self.model_tag += f"+{spec.draft_preset}"
         self.l3_status = "off"
@@ -403,6 +408,8 @@ class Engine:
                 if self.cache.l3 is not None else None,
                 "model_path": self.cfg.model, "tokenizer_path": self.tokenizer_path,
                 "served_model_name": self.model_name,
+                "model_tag": self.model_tag, "weights_digest": self.weights_digest,
+                "weights_digest_seconds": round(self.fingerprint_s, 4),
                 "speculative": None if self.scheduler.spec is None else {
                     **self.scheduler.spec.stats(),
                     "kv_bytes_per_token": self.kv_bytes_per_token}}
