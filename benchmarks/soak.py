@@ -26,6 +26,7 @@ greedy output is checked against a fault-free reference.
 Usage::
 
     python benchmarks/soak.py --minutes 10 --backend file --out soak-file.json
+    python benchmarks/soak.py --hostile --minutes 10 --out soak-hostile.json
     python benchmarks/soak.py --minutes 5 --backend mooncake --out soak-mooncake.json
 
 Figures and how to read them: docs/reliability.md.
@@ -53,6 +54,7 @@ import numpy as np
 import requests
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from checkers.invariants import check_cache  # noqa: E402
 from engine.runtime.serving import ServerConfig, start_server  # noqa: E402
@@ -445,8 +447,21 @@ def main() -> None:
     ap.add_argument("--fault-every", type=float, nargs=2, default=(2.0, 6.0),
                     metavar=("MIN_S", "MAX_S"))
     ap.add_argument("--out", help="also write the report here (JSON)")
+    ap.add_argument("--hostile", action="store_true", help="the hostile classes instead "
+                    "(benchmarks/soak_hostile.py): namespace pairs, converted stores, idle "
+                    "gaps, workers stopped and killed, parent killed, wildcard listeners")
+    ap.add_argument("--classes", help="with --hostile: a comma-separated subset")
     args = ap.parse_args()
-    rep = soak(args)
+    if args.hostile:
+        from soak_hostile import CLASSES, run_hostile
+
+        names = args.classes.split(",") if args.classes else None
+        bad = [n for n in names or [] if n not in CLASSES]
+        if bad:
+            ap.error(f"--classes: unknown {bad[0]!r}; choose from {', '.join(CLASSES)}")
+        rep = run_hostile(args.minutes, args.seed, names)
+    else:
+        rep = soak(args)
     text = json.dumps(rep, indent=2)
     print(text)
     if args.out:
