@@ -65,10 +65,20 @@ bs() {  # bench_serving NAME ARGS...
   echo "   exit $?"; summary "$OUT/$name.log"
 }
 
-for b in sglang sglang-oai sglang-oai-chat vllm; do
-  bs "random-$b" --backend "$b" --dataset-name random --dataset-path "$DATA" \
-    --num-prompts "$N" --random-input-len 256 --random-output-len 16 --max-concurrency 4 \
-    --cache-report
+# Every backend bench_serving has for an SGLang-style server, both datasets, and each run once
+# more with bench_serving's own --flush-cache (sglang*: POST /flush_cache; vllm*: POST
+# /reset_prefix_cache; both empty L1 + L2 here, as SGLang's flush does: docs/sglang-compat.md).
+BACKENDS=${BACKENDS:-sglang sglang-oai sglang-oai-chat vllm vllm-chat}
+for b in $BACKENDS; do
+  report=(); case $b in sglang*) report=(--cache-report);; esac
+  for flush in "" --flush-cache; do
+    bs "random-$b${flush:+-flush}" --backend "$b" --dataset-name random --dataset-path "$DATA" \
+      --num-prompts "$N" --random-input-len 256 --random-output-len 16 --max-concurrency 4 \
+      "${report[@]}" $flush
+    bs "gsp-$b${flush:+-flush}" --backend "$b" --dataset-name generated-shared-prefix \
+      --gsp-num-groups 2 --gsp-prompts-per-group 4 --gsp-system-prompt-len 256 \
+      --gsp-question-len 32 --gsp-output-len 8 --max-concurrency 4 "${report[@]}" $flush
+  done
 done
 bs gsp-sglang --backend sglang --dataset-name generated-shared-prefix --gsp-num-groups 4 \
   --gsp-prompts-per-group 4 --gsp-system-prompt-len 512 --gsp-question-len 64 \
