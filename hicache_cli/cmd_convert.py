@@ -3,7 +3,8 @@
 The work is done by :mod:`engine.storage.convert`; this module parses options, draws the
 progress bar and renders the summary. Exit codes: 0 converted (corrupt source objects are
 skipped and counted), 1 error (missing store, mixed layouts, conflicting destination, no room,
-interrupted), 2 usage (unknown layout strings).
+interrupted), 2 usage (unknown layout strings, shapes the model cannot take, DST inside SRC),
+3 ``--verify`` found written objects that do not hold the source's KV.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import typer
 
 from hicache_cli.options import Format, usage
 from hicache_cli.output import (
+    EXIT_CHECK,
     EXIT_ERROR,
     OutputFormat,
     emit_json,
@@ -61,7 +63,9 @@ def _human_result(s: dict[str, Any]) -> None:
     _human_plan(s, "converted")
     rate = s["bytes_in"] / s["seconds"] if s["seconds"] > 0 else 0.0
     stdout.print(f"  written {s['written']:,} ({_mb(s['bytes_written'])}), already present "
-                 f"{s['skipped_present']:,}, verified {s['verified']:,}, corrupt on read "
+                 f"{s['skipped_present']:,}, verified {s['verified']:,}"
+                 + (f" ({s['verify_failed']:,} WRONG)" if s["verify_failed"] else "")
+                 + f", corrupt on read "
                  f"{s['read_corrupt']:,}; {s['seconds']:.2f} s ({_mb(rate)}/s in)")
 
 
@@ -116,8 +120,11 @@ def convert(src_spec: str, dst_spec: str, to: str, from_: Optional[str], verify:
     finally:
         src.close()
     s = {**plan.summary(), **res.counts, "seconds": round(res.seconds, 3),
-         "interrupted": res.interrupted, "dry_run": False}
+         "interrupted": res.interrupted, "dry_run": False, "verify_problems": res.problems}
     emit_json(s) if fmt is OutputFormat.json else _human_result(s)
+    if s["verify_failed"]:
+        fail(f"--verify: {s['verify_failed']:,} written object(s) do not hold the source's KV "
+             f"(e.g. {res.problems[0]})", EXIT_CHECK)
     if res.interrupted:
         fail(f"interrupted after writing {s['written']:,} objects (each one whole); run the "
              "same command again to resume", EXIT_ERROR)
@@ -141,8 +148,10 @@ def register(app: typer.Typer) -> None:
         from_: Optional[str] = typer.Option(None, "--from", help="Convert only the source "
                                             "objects of this layout (same forms as --to); "
                                             "needed when the source mixes layouts."),
-        verify: bool = typer.Option(False, "--verify", help="Read every written object back "
-                                    "and compare it with the source rectangle."),
+        verify: bool = typer.Option(False, "--verify", help="Read every target object back, "
+                                    "decode it through its own header's layout and compare "
+                                    "every KV element with the source's (exit 3 if any "
+                                    "differs)."),
         dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (objects and "
                                      "bytes in/out) and write nothing."),
         max_bytes: Optional[str] = typer.Option(None, "--max-bytes", help="Room the "

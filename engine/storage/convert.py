@@ -47,6 +47,7 @@ from engine.storage.convert_io import (
     apply_cut,
     fresh,
     holds,
+    meaning_problem,
     read_source,
     recipes,
 )
@@ -269,8 +270,10 @@ def _check_destination(p: Plan, dst: Endpoint, max_bytes: int | None) -> None:
 
 
 # -- running -----------------------------------------------------------------------------------
-_COUNTS = ("written", "bytes_written", "skipped_present", "verified", "read_corrupt",
-           "not_produced", "kernel_copied_bytes")
+_COUNTS = ("written", "bytes_written", "skipped_present", "verified", "verify_failed",
+           "read_corrupt", "not_produced", "kernel_copied_bytes")
+MAX_PROBLEMS = 8
+"""Objects ``--verify`` found wrong are counted; the first few are named."""
 
 
 @dataclasses.dataclass
@@ -278,6 +281,7 @@ class Result:
     counts: dict[str, int]
     seconds: float = 0.0
     interrupted: bool = False
+    problems: list[str] = dataclasses.field(default_factory=list)   # verify: the first few
 
 
 @dataclasses.dataclass
@@ -287,6 +291,8 @@ class _Out:
     header: bytes
     pieces: list                # the payload as bytes in memory (to compare with)
     size: int
+    index: int = 0              # the tile's index in the plan
+    srcs: list = dataclasses.field(default_factory=list)    # the page's sound sources
 
 
 @dataclasses.dataclass
@@ -298,6 +304,7 @@ class _Page:
     fds: list[int] = dataclasses.field(default_factory=list)
     nbytes: int = 0
     error: BaseException | None = None
+    problems: list[str] = dataclasses.field(default_factory=list)
 
 
 def run(p: Plan, src: Endpoint, dst: Endpoint, *, verify: bool = False,
@@ -398,6 +405,7 @@ class _Converter:
     def _merge(self, w: _Page) -> None:
         for k, v in w.counts.items():
             self.res.counts[k] += v
+        self.res.problems.extend(w.problems[:MAX_PROBLEMS - len(self.res.problems)])
 
     # -- one page ------------------------------------------------------------------------------
     def _direct(self, ph: bytes, objs: list[SourceObject]) -> _Page:
@@ -451,10 +459,10 @@ class _Converter:
                 Assembly.fill(copies, srcs)
                 p.codecs[r.index].encode_header_into(head, ph, payload, checksum(payload))
                 if key in p.present:
-                    self._same(key, head, [payload])
-                    counts["skipped_present"] += 1
+                    self._present(w, key, head, [payload], r.index, ph, srcs)
                 else:
-                    w.outs.append(_Out(key, [whole], head, [payload], len(whole)))
+                    w.outs.append(_Out(key, [whole], head, [payload], len(whole), r.index,
+                                       srcs))
                 continue
             t = p.tiles[r.index]
             if r.runs:
@@ -468,23 +476,21 @@ class _Converter:
                 head = memoryview(whole)[:codec.header_len]
                 codec.encode_header_into(head, ph, payload, checksum_parts(pieces))
                 if key in p.present:
-                    self._same(key, head, pieces)
-                    counts["skipped_present"] += 1
+                    self._present(w, key, head, pieces, r.index, ph, srcs)
                 else:
-                    w.outs.append(_Out(key, [whole], head, pieces, len(whole)))
+                    w.outs.append(_Out(key, [whole], head, pieces, len(whole), r.index, srcs))
                 continue
             else:
                 pieces = body = [apply_cut(r, t, srcs, p.target_order, take)]
                 psum = checksum_parts(pieces)
             header = p.codecs[r.index].header_for(ph, t.payload_len, psum)
             if key in p.present:
-                self._same(key, header, pieces)
-                counts["skipped_present"] += 1
+                self._present(w, key, header, pieces, r.index, ph, srcs)
                 continue
             if r.runs:
                 counts["kernel_copied_bytes"] += t.payload_len
             w.outs.append(_Out(key, [header, *body], header, pieces,
-                               len(header) + t.payload_len))
+                               len(header) + t.payload_len, r.index, srcs))
 
     def _recipes(self, srcs: list[Source], wanted: list[int]) -> list[Recipe | None]:
         """The page's recipes: worked out once per (source rectangles, wanted tiles)."""
@@ -521,8 +527,37 @@ class _Converter:
             return
         if self.verify:
             for o in outs:
-                self._same(o.key, o.header, o.pieces)
-                w.counts["verified"] += 1
+                raw = self.dst.read(o.key)
+                problem = "differs from what was written" if not holds(
+                    raw, o.header, o.pieces) else self._meaning(raw, o.key, o.index, o.srcs)
+                self._verdict(w, o.key, problem)
+
+    def _present(self, w: _Page, key: str, header, pieces: list, index: int, ph: bytes,
+                 srcs: list) -> None:
+        """A target object the destination holds already: it must be what this conversion
+        produces (else the run stops: a conflicting or damaged object); with ``verify`` its
+        meaning is checked too."""
+        raw = self.dst.read(key)
+        if not holds(raw, header, pieces):
+            raise InputError(f"the destination's object {key} differs from what this "
+                             "conversion produces (a conflicting or damaged object); remove it "
+                             "and run again")
+        w.counts["skipped_present"] += 1
+        if self.verify:
+            self._verdict(w, key, self._meaning(raw, key, index, srcs))
+
+    def _meaning(self, raw, key: str, index: int, srcs: list) -> str | None:
+        return meaning_problem(raw, self.p.tiles[index].description, bytes.fromhex(key[:64]),
+                               srcs)
+
+    @staticmethod
+    def _verdict(w: _Page, key: str, problem: str | None) -> None:
+        if problem is None:
+            w.counts["verified"] += 1
+        else:
+            w.counts["verify_failed"] += 1
+            if len(w.problems) < MAX_PROBLEMS:
+                w.problems.append(f"{key}: {problem}")
 
     def _flush(self, batch: list[_Page]) -> None:
         """Write a batch of pages' objects to a destination that is not a file store."""
@@ -536,12 +571,6 @@ class _Converter:
         self._merge(total)
         if total.error is not None:
             raise total.error
-
-    def _same(self, key: str, header: bytes, pieces: list) -> None:
-        if not holds(self.dst.read(key), header, pieces):
-            raise InputError(f"the destination's object {key} differs from what this "
-                             "conversion produces (a conflicting or damaged object); remove it "
-                             "and run again")
 
     @staticmethod
     def _close(w: _Page) -> None:
