@@ -92,17 +92,21 @@ def convert(src_spec: str, dst_spec: str, to: str, from_: Optional[str], verify:
             dry_run: bool, max_bytes: Optional[str], fmt: OutputFormat) -> None:
     from engine.core.errors import InputError
     from engine.storage.config import parse_size
+    from engine.storage.convert import check_shape
     from engine.storage.convert import plan as make_plan
-    from engine.storage.endpoints import open_endpoint, same_store
+    from engine.storage.endpoints import nested_stores, open_endpoint, same_store
     from engine.storage.placement import Placement
 
     with usage():                   # usage errors before any store is opened
         limit = parse_size(max_bytes) if max_bytes is not None else None
-        for spec in (to, from_):
+        for flag, spec in (("--to", to), ("--from", from_)):
             if spec is not None:
-                Placement.parse_target(spec)
+                check_shape(Placement.parse_target(spec), f"{flag} {spec}")
     if same_store(src_spec, dst_spec):
         raise InputError("source and destination are the same store")
+    nested = nested_stores(src_spec, dst_spec)
+    if nested:
+        raise InputError(f"{nested}; nothing was written")
     with usage():                   # a malformed store address
         src = open_endpoint(src_spec, source=True)
     try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -33,8 +34,17 @@ MAX_OBJECT_BYTES = 1 << 30
 MAX_LISTING_BYTES = 1 << 30
 
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_OBJ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
 class FileEndpoint:
-    """A file-store directory: read directly, written through :class:`FileBackend`."""
+    """A file-store directory: read directly, written through :class:`FileBackend`.
+
+    Reading never follows a symbolic link inside the store: ``objects/``, its fan directories
+    and the object files are opened with ``O_NOFOLLOW`` (fan directories once, then objects
+    relative to them), and the listing skips links — a link planted in a store cannot make a
+    conversion read files outside it."""
 
     def __init__(self, root: str, *, create: bool, must_exist: bool = False):
         self.root = os.path.realpath(os.path.expanduser(root))
@@ -47,35 +57,83 @@ class FileEndpoint:
         self._objdir = os.path.join(self.root, "objects")
         self._create = create
         self._backend = None      # created on the first write: a refused run creates nothing
+        self._fans: dict[str, int] = {}    # fan name -> its directory's descriptor
+        self._fans_lock = threading.Lock()
+        self._objdir_fd: int | None = None
+        if must_exist and os.path.islink(self._objdir):
+            raise InputError(f"source store {root}: objects/ is a symbolic link; a store's "
+                             "objects are read only from inside it")
+
+    def _objects_fd(self) -> int | None:
+        if self._objdir_fd is None:
+            try:
+                self._objdir_fd = os.open(self._objdir, _DIR_FLAGS)
+            except OSError:
+                return None
+        return self._objdir_fd
 
     def list_keys(self) -> list[str]:
-        out = []
-        try:
-            fans = sorted(os.listdir(self._objdir))
-        except FileNotFoundError:
+        out: list[str] = []
+        fd = self._objects_fd()
+        if fd is None:
             return out
-        for fan in fans:
-            d = os.path.join(self._objdir, fan)
-            if os.path.isdir(d):
-                out.extend(e.name for e in os.scandir(d) if e.is_file() and _safe(e.name))
+        for fan in sorted(e.name for e in os.scandir(fd) if e.is_dir(follow_symlinks=False)):
+            dfd = self._fan_fd(fan)
+            if dfd is None:
+                continue
+            out.extend(e.name for e in os.scandir(dfd) if e.name[:2] == fan
+                       and e.is_file(follow_symlinks=False) and _safe(e.name))
         return sorted(out)
+
+    def _fan_fd(self, fan: str) -> int | None:
+        """The fan directory's descriptor (opened once, never through a link), or None (not
+        remembered: a destination's fan directory appears on its first write)."""
+        got = self._fans.get(fan)
+        if got is not None:
+            return got
+        with self._fans_lock:
+            if fan not in self._fans:
+                top = self._objects_fd()
+                if top is None:
+                    return None
+                try:
+                    self._fans[fan] = os.open(fan, _DIR_FLAGS, dir_fd=top)
+                except OSError:
+                    return None
+            return self._fans[fan]
 
     def _path(self, key: str) -> str:
         check_key(key)
         return os.path.join(self._objdir, key[:2], key)
 
     def open_fd(self, key: str) -> int | None:
-        """A read-only descriptor of the object's file; None when missing or not a regular
-        file (a FIFO or device planted in the store is never opened for reading)."""
+        """A read-only descriptor of the object's file; None when missing, reached through a
+        symbolic link, or not a regular file (a FIFO or device planted in the store is never
+        opened for reading)."""
+        check_key(key)
+        dfd = self._fan_fd(key[:2])
+        if dfd is None:
+            return None
         try:
-            fd = os.open(self._path(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
-                         | os.O_CLOEXEC)
+            fd = os.open(key, _OBJ_FLAGS, dir_fd=dfd)
         except OSError:
             return None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             return None
         return fd
+
+    def read_head(self, key: str, limit: int) -> tuple[bytes, int] | None:
+        """(the object's first ``limit`` bytes, its size), or None when it cannot be read."""
+        fd = self.open_fd(key)
+        if fd is None:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            head = self.read_fd(fd, limit)
+            return None if head is None else (head, size)
+        finally:
+            os.close(fd)
 
     @staticmethod
     def read_fd(fd: int, limit: int | None = None) -> bytes | None:
@@ -131,6 +189,13 @@ class FileEndpoint:
     def close(self) -> None:
         if self._backend is not None:
             self._backend.close()
+        with self._fans_lock:
+            for fd in self._fans.values():
+                os.close(fd)
+            self._fans.clear()
+        if self._objdir_fd is not None:
+            os.close(self._objdir_fd)
+            self._objdir_fd = None
 
 
 class MooncakeEndpoint:
@@ -184,6 +249,11 @@ class MooncakeEndpoint:
             return None
         return bytes(buf if limit is None else buf[:limit])
 
+    def read_head(self, key: str, limit: int) -> tuple[bytes, int] | None:
+        """(the object's first ``limit`` bytes, its size), or None when it cannot be read."""
+        raw = self.read(key)
+        return None if raw is None else (raw[:limit], len(raw))
+
     def exists(self, keys: Sequence[str]) -> list[bool]:
         return self._backend.exists(keys)
 
@@ -209,6 +279,21 @@ def _safe(key: str) -> bool:
         return True
     except ValueError:
         return False
+
+
+def nested_stores(src: str, dst: str) -> str | None:
+    """Why directories ``src`` and ``dst`` cannot be converted one into the other (one inside
+    the other, by their real paths: links resolved), or None."""
+    if "://" in src or "://" in dst:
+        return None
+    a, b = (os.path.realpath(os.path.expanduser(x)) for x in (src, dst))
+    if a == b:
+        return None                 # the same store: said by same_store
+    if b.startswith(a.rstrip(os.sep) + os.sep):
+        return f"the destination {dst} is inside the source store {src} ({b})"
+    if a.startswith(b.rstrip(os.sep) + os.sep):
+        return f"the source store {src} is inside the destination {dst} ({a})"
+    return None
 
 
 def same_store(a: str, b: str) -> bool:
