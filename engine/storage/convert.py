@@ -85,8 +85,11 @@ MAX_MODEL_KV_HEADS = 1024
 """A source object claiming a model larger than this is corrupt: headers are untrusted, and
 the model's size sets the work and memory of a plan (real models have at most a few hundred
 layers and kv-heads)."""
-MAX_TILES = 1 << 16
-"""Target objects per page at most (``--to`` shapes beyond it are refused up front)."""
+MAX_TILES = 1 << 14
+"""Target objects per page at most (``--to`` shapes beyond it are refused up front): a model of
+128 layers x 128 kv-heads cut into single cells."""
+MAX_LEGACY_RANKS = 1 << 10
+"""Ranks (tp x pp) of a legacy shape at most."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,10 +258,11 @@ def plan(src: Endpoint, dst: Endpoint, to: str = "unified", from_: str | None = 
 
 def check_shape(target: Placement, what: str) -> None:
     """``UsageError`` for a target too large for any model (checked before the source is
-    read): a legacy shape with more than :data:`MAX_TILES` ranks."""
-    if target.scheme is StorageLayout.LEGACY and target.tp[1] * target.pp[1] > MAX_TILES:
-        raise UsageError(f"{what}: tp x pp = {target.tp[1] * target.pp[1]:,} objects per page "
-                         f"(at most {MAX_TILES:,})")
+    read): a legacy shape with more than :data:`MAX_LEGACY_RANKS` ranks."""
+    if target.scheme is StorageLayout.LEGACY and \
+            target.tp[1] * target.pp[1] > MAX_LEGACY_RANKS:
+        raise UsageError(f"{what}: tp x pp = {target.tp[1] * target.pp[1]:,} ranks (at most "
+                         f"{MAX_LEGACY_RANKS:,})")
 
 
 def check_target(target: Placement, model: KVLayout, what: str) -> None:
