@@ -28,9 +28,12 @@ from hicache_cli.output import (
 HELP = """Convert an L3 store at rest: legacy per-rank -> unified, one unified grid to another,
 layer_first <-> page_first payloads.
 
-SRC and DST are file-store directories or mooncake://HOST:PORT[?metadata=URL&admin=PORT]
-addresses. The source's layout is read from its objects; the source is never modified.
-Objects already in DST are checked and skipped, so an interrupted run resumes.
+SRC and DST are file-store directories or
+mooncake://HOST:PORT[?metadata=URL&admin=PORT&timeout=SECONDS] addresses. The source's
+layout is read from its objects; the source is never modified, and DST may not lie inside it.
+Objects already in DST are checked and skipped, so an interrupted run resumes. --verify
+decodes every target object and compares each KV element with the source's (exit 3 if any
+differs).
 
 Examples:
   hicache convert-layout /data/old-store /data/store --to unified
@@ -82,14 +85,16 @@ def _run(src, dst, plan, verify: bool, fmt: OutputFormat):
 
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                   TransferSpeedColumn(), TimeRemainingColumn(), console=stderr,
-                  disable=fmt is OutputFormat.json, transient=True) as bar:
+                  disable=fmt is OutputFormat.json or not stderr.is_terminal,
+                  transient=True) as bar:
         task = bar.add_task("converting", total=plan.counts["bytes_in"] or None)
         return run(plan, src, dst, verify=verify,
                    progress=lambda n: bar.advance(task, n))
 
 
 def convert(src_spec: str, dst_spec: str, to: str, from_: Optional[str], verify: bool,
-            dry_run: bool, max_bytes: Optional[str], fmt: OutputFormat) -> None:
+            dry_run: bool, max_bytes: Optional[str], fmt: OutputFormat,
+            verbose: bool = False) -> None:
     from engine.core.errors import InputError
     from engine.storage.config import parse_size
     from engine.storage.convert import check_shape
@@ -108,10 +113,10 @@ def convert(src_spec: str, dst_spec: str, to: str, from_: Optional[str], verify:
     if nested:
         raise InputError(f"{nested}; nothing was written")
     with usage():                   # a malformed store address
-        src = open_endpoint(src_spec, source=True)
+        src = open_endpoint(src_spec, source=True, verbose=verbose)
     try:
         with usage():
-            dst = open_endpoint(dst_spec, source=False, dry_run=dry_run)
+            dst = open_endpoint(dst_spec, source=False, dry_run=dry_run, verbose=verbose)
         try:
             plan = make_plan(src, dst, to, from_, limit)
             if dry_run:
@@ -142,7 +147,7 @@ def register(app: typer.Typer) -> None:
     @handle_errors
     def convert_layout_cmd(
         src: str = typer.Argument(..., metavar="SRC", help="Source store: a directory or "
-                                  "mooncake://HOST:PORT[?metadata=URL&admin=PORT]."),
+                                  "mooncake://HOST:PORT[?metadata=URL&admin=PORT&timeout=S]."),
         dst: str = typer.Argument(..., metavar="DST", help="Destination store (created when "
                                   "a directory does not exist)."),
         to: str = typer.Option("unified", "--to", help="Target layout: unified (the default "
@@ -161,6 +166,8 @@ def register(app: typer.Typer) -> None:
         max_bytes: Optional[str] = typer.Option(None, "--max-bytes", help="Room the "
                                                 "destination may use, e.g. 10GiB (refused up "
                                                 "front when the conversion needs more)."),
+        verbose: bool = typer.Option(False, "--verbose", help="Let the Mooncake client's own "
+                                     "log lines through to stderr (kept off by default)."),
         fmt: Format = OutputFormat.human,
     ) -> None:
-        convert(src, dst, to, from_, verify, dry_run, max_bytes, fmt)
+        convert(src, dst, to, from_, verify, dry_run, max_bytes, fmt, verbose)

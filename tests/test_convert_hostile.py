@@ -186,3 +186,138 @@ def test_absurd_shapes_are_refused(tmp_path, to):
         return
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+# -- Mooncake endpoints ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def master(tmp_path_factory):
+    from tests.mooncake_master import MooncakeMaster
+
+    m = MooncakeMaster(tmp_path_factory.mktemp("mooncake")).start()
+    yield m
+    m.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(master):
+    from engine.storage.backends.mooncake import MooncakeBackend
+
+    b = MooncakeBackend(master.config())       # a serving client holds the memory
+    yield b
+    b.close()
+
+
+def mc_url(master, host="127.0.0.1", **kw) -> str:
+    q = dict(metadata=f"http://127.0.0.1:{master.http_port}/metadata",
+             admin=master.metrics_port, **kw)
+    return f"mooncake://{host}:{master.rpc_port}?" + "&".join(f"{k}={v}" for k, v in q.items())
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The command in a process of its own (native log lines reach its real stderr; a hang
+    fails at ``timeout``)."""
+    return subprocess.run([sys.executable, "-m", "hicache_cli.app", "convert-layout",
+                           *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, PYTHONPATH=ROOT))
+
+
+def listed(master) -> list[str]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{master.metrics_port}/get_all_keys") as r:
+        return r.read().decode().split()
+
+
+def test_one_master_named_two_ways_is_the_same_store(tmp_path, master, fleet):
+    src, _ = legacy_source(tmp_path)
+    assert convert(src, mc_url(master), "--format", "json").exit_code == 0
+    before = listed(master)
+    for a, b in (("127.0.0.1", "localhost"), ("localhost", "127.0.0.1"),
+                 ("127.0.0.1", "0.0.0.0")):
+        res = convert(mc_url(master, a), mc_url(master, b), "--to", "unified:layers=1,heads=1")
+        one_line_error(res, 1, "same store")
+    assert listed(master) == before                 # nothing written into the source
+
+
+def test_a_successful_run_keeps_native_logs_off_stderr(tmp_path, master, fleet):
+    src, _ = legacy_source(tmp_path)
+    res = cli(src, mc_url(master), "--to", "unified:layers=4,heads=4", "--verify")
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == ""
+    res = cli(src, mc_url(master), "--to", "unified:layers=4,heads=4", "--verbose")
+    assert res.returncode == 0 and len(res.stderr.splitlines()) > 3   # the client's own lines
+
+
+def test_a_file_metadata_url_is_refused_up_front(tmp_path, master):
+    src, _ = legacy_source(tmp_path)
+    res = cli(src, mc_url(master).replace(f"http://127.0.0.1:{master.http_port}/metadata",
+                                          "file:///tmp/metadata"))
+    assert res.returncode == 2, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "http://" in res.stderr
+
+
+class _Silent:
+    """A TCP server that accepts and then never answers; ``dribble``: answers an HTTP request
+    with a long body one byte a second."""
+
+    def __init__(self, dribble: bool = False):
+        import socket
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.conns: list = []
+        self.dribble, self.stop = dribble, threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while not self.stop.is_set():
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(c)
+            if self.dribble:
+                threading.Thread(target=self._drip, args=(c,), daemon=True).start()
+
+    def _drip(self, c) -> None:
+        try:
+            c.recv(65536)
+            c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000000\r\n\r\n")
+            while not self.stop.wait(0.5):
+                c.sendall(b"k")
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.stop.set()
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+@pytest.mark.parametrize("which", ["master", "metadata", "admin", "dribbling admin"])
+def test_silent_servers_time_out_with_one_line(tmp_path, master, fleet, which):
+    src, _ = legacy_source(tmp_path)
+    silent = _Silent(dribble=which == "dribbling admin")
+    try:
+        url = mc_url(master, timeout=2)
+        if which == "master":
+            url = url.replace(f":{master.rpc_port}?", f":{silent.port}?")
+        elif which == "metadata":
+            url = url.replace(f"127.0.0.1:{master.http_port}", f"127.0.0.1:{silent.port}")
+        else:
+            url = url.replace(f"admin={master.metrics_port}", f"admin={silent.port}")
+        res = cli(url, tmp_path / "dst", timeout=60)
+    finally:
+        silent.close()
+    assert res.returncode == 1, res.stderr
+    err = res.stderr.strip().splitlines()
+    assert len(err) == 1 and ("did not answer within 2 s" in err[0]
+                              or "did not arrive within 2 s" in err[0]
+                              or "timed out" in err[0]), res.stderr
+    assert not (tmp_path / "dst").exists()
