@@ -126,7 +126,8 @@ SOURCES = {
     "unified:layers=1,heads=2": (Placement(grid="layers=1,heads=2"), 2, 2),
 }
 GRIDS = ["unified", "unified:layers=1,heads=1", "unified:layers=4,heads=4",
-         "unified:layers=3,heads=2", "unified:layers=2,heads=4", "unified:tp=2,pp=2",
+         "unified:layers=3,heads=2", "unified:layers=2,heads=4", "unified:layers=4,heads=1",
+         "unified:tp=2,pp=2",
          "legacy:tp=1,pp=1", "legacy:tp=2,pp=1", "legacy:tp=4,pp=2", "legacy:tp=8,pp=1",
          "legacy:tp=1,pp=3"]
 
