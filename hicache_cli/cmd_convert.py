@@ -3,7 +3,8 @@
 The work is done by :mod:`engine.storage.convert`; this module parses options, draws the
 progress bar and renders the summary. Exit codes: 0 converted (corrupt source objects are
 skipped and counted), 1 error (missing store, mixed layouts, conflicting destination, no room,
-interrupted), 2 usage (unknown layout strings).
+interrupted), 2 usage (unknown layout strings, shapes the model cannot take, DST inside SRC),
+3 ``--verify`` found written objects that do not hold the source's KV.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import typer
 
 from hicache_cli.options import Format, usage
 from hicache_cli.output import (
+    EXIT_CHECK,
     EXIT_ERROR,
     OutputFormat,
     emit_json,
@@ -26,9 +28,12 @@ from hicache_cli.output import (
 HELP = """Convert an L3 store at rest: legacy per-rank -> unified, one unified grid to another,
 layer_first <-> page_first payloads.
 
-SRC and DST are file-store directories or mooncake://HOST:PORT[?metadata=URL&admin=PORT]
-addresses. The source's layout is read from its objects; the source is never modified.
-Objects already in DST are checked and skipped, so an interrupted run resumes.
+SRC and DST are file-store directories or
+mooncake://HOST:PORT[?metadata=URL&admin=PORT&timeout=SECONDS] addresses. The source's
+layout is read from its objects; the source is never modified, and DST may not lie inside it.
+Objects already in DST are checked and skipped, so an interrupted run resumes. --verify
+decodes every target object and compares each KV element with the source's (exit 3 if any
+differs).
 
 Examples:
   hicache convert-layout /data/old-store /data/store --to unified
@@ -62,7 +67,9 @@ def _human_result(s: dict[str, Any]) -> None:
     _human_plan(s, "converted")
     rate = s["bytes_in"] / s["seconds"] if s["seconds"] > 0 else 0.0
     stdout.print(f"  written {s['written']:,} ({_mb(s['bytes_written'])}), already present "
-                 f"{s['skipped_present']:,}, verified {s['verified']:,}, corrupt on read "
+                 f"{s['skipped_present']:,}, verified {s['verified']:,}"
+                 + (f" ({s['verify_failed']:,} WRONG)" if s["verify_failed"] else "")
+                 + f", corrupt on read "
                  f"{s['read_corrupt']:,}; {s['seconds']:.2f} s ({_mb(rate)}/s in)")
 
 
@@ -79,7 +86,8 @@ def _run(src, dst, plan, verify: bool, fmt: OutputFormat):
 
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                   TransferSpeedColumn(), TimeRemainingColumn(), console=stderr,
-                  disable=fmt is OutputFormat.json, transient=True) as bar:
+                  disable=fmt is OutputFormat.json or not stderr.is_terminal,
+                  transient=True) as bar:
         task = bar.add_task("converting", total=plan.counts["bytes_in"] or None)
         return run(plan, src, dst, verify=verify,
                    progress=lambda n: bar.advance(task, n))
@@ -87,25 +95,29 @@ def _run(src, dst, plan, verify: bool, fmt: OutputFormat):
 
 def convert(src_spec: str, dst_spec: str, to: str, from_: Optional[str], verify: bool,
             dry_run: bool, max_bytes: Optional[str], fmt: OutputFormat,
-            model_tag: Optional[str] = None) -> None:
+            model_tag: Optional[str] = None, verbose: bool = False) -> None:
     from engine.core.errors import InputError
     from engine.storage.config import parse_size
+    from engine.storage.convert import check_shape
     from engine.storage.convert import plan as make_plan
-    from engine.storage.endpoints import open_endpoint, same_store
+    from engine.storage.endpoints import nested_stores, open_endpoint, same_store
     from engine.storage.placement import Placement
 
     with usage():                   # usage errors before any store is opened
         limit = parse_size(max_bytes) if max_bytes is not None else None
-        for spec in (to, from_):
+        for flag, spec in (("--to", to), ("--from", from_)):
             if spec is not None:
-                Placement.parse_target(spec)
+                check_shape(Placement.parse_target(spec), f"{flag} {spec}")
     if same_store(src_spec, dst_spec):
         raise InputError("source and destination are the same store")
+    nested = nested_stores(src_spec, dst_spec)
+    if nested:
+        raise InputError(f"{nested}; nothing was written")
     with usage():                   # a malformed store address
-        src = open_endpoint(src_spec, source=True)
+        src = open_endpoint(src_spec, source=True, verbose=verbose)
     try:
         with usage():
-            dst = open_endpoint(dst_spec, source=False, dry_run=dry_run)
+            dst = open_endpoint(dst_spec, source=False, dry_run=dry_run, verbose=verbose)
         try:
             plan = make_plan(src, dst, to, from_, limit, model_tag=model_tag)
             if dry_run:
@@ -118,8 +130,11 @@ def convert(src_spec: str, dst_spec: str, to: str, from_: Optional[str], verify:
     finally:
         src.close()
     s = {**plan.summary(), **res.counts, "seconds": round(res.seconds, 3),
-         "interrupted": res.interrupted, "dry_run": False}
+         "interrupted": res.interrupted, "dry_run": False, "verify_problems": res.problems}
     emit_json(s) if fmt is OutputFormat.json else _human_result(s)
+    if s["verify_failed"]:
+        fail(f"--verify: {s['verify_failed']:,} written object(s) do not hold the source's KV "
+             f"(e.g. {res.problems[0]})", EXIT_CHECK)
     if res.interrupted:
         fail(f"interrupted after writing {s['written']:,} objects (each one whole); run the "
              "same command again to resume", EXIT_ERROR)
@@ -133,7 +148,7 @@ def register(app: typer.Typer) -> None:
     @handle_errors
     def convert_layout_cmd(
         src: str = typer.Argument(..., metavar="SRC", help="Source store: a directory or "
-                                  "mooncake://HOST:PORT[?metadata=URL&admin=PORT]."),
+                                  "mooncake://HOST:PORT[?metadata=URL&admin=PORT&timeout=S]."),
         dst: str = typer.Argument(..., metavar="DST", help="Destination store (created when "
                                   "a directory does not exist)."),
         to: str = typer.Option("unified", "--to", help="Target layout: unified (the default "
@@ -143,8 +158,10 @@ def register(app: typer.Typer) -> None:
         from_: Optional[str] = typer.Option(None, "--from", help="Convert only the source "
                                             "objects of this layout (same forms as --to); "
                                             "needed when the source mixes layouts."),
-        verify: bool = typer.Option(False, "--verify", help="Read every written object back "
-                                    "and compare it with the source rectangle."),
+        verify: bool = typer.Option(False, "--verify", help="Read every target object back, "
+                                    "decode it through its own header's layout and compare "
+                                    "every KV element with the source's (exit 3 if any "
+                                    "differs)."),
         dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (objects and "
                                      "bytes in/out) and write nothing."),
         max_bytes: Optional[str] = typer.Option(None, "--max-bytes", help="Room the "
@@ -154,6 +171,9 @@ def register(app: typer.Typer) -> None:
                                                 "only the objects of this model (its name and "
                                                 "fingerprint, as the error listing a mixed "
                                                 "source or --dry-run shows it)."),
+        verbose: bool = typer.Option(False, "--verbose", help="Let the Mooncake client's own "
+                                     "log lines through to stderr (kept off by default)."),
         fmt: Format = OutputFormat.human,
     ) -> None:
-        convert(src, dst, to, from_, verify, dry_run, max_bytes, fmt, model_tag=model_tag)
+        convert(src, dst, to, from_, verify, dry_run, max_bytes, fmt, model_tag=model_tag,
+                verbose=verbose)

@@ -313,7 +313,9 @@ def test_headers_read_by_threads_come_in_order(tmp_path):
     keys = ep.list_keys() + ["f" * 64 + ".gone"]            # one vanished since the listing
     got = list(_heads(ep, keys, chunk=2))                  # 7 chunks over the worker threads
     assert [k for k, _ in got] == keys
-    assert [h for _, h in got] == [ep.read(k, HEAD_BYTES) for k in keys]
+    assert [h for _, h in got] == [ep.read_head(k, HEAD_BYTES) for k in keys]
+    assert all(size == os.path.getsize(os.path.join(src, "objects", k[:2], k))
+               for k, (_, size) in got[:-1])
     assert got[-1][1] is None and all(h for _, h in got[:-1])
     ep.close()
 

@@ -79,3 +79,30 @@ def test_legacy_store_converted_to_unified_is_hit(tmp_path, uncached):
     out = served(tmp_path / "unified")
     assert out["meta_info"]["cached_tokens_details"]["storage"] > 0
     assert out["output_ids"] == uncached
+
+
+@pytest.mark.parametrize("hops", [
+    ["unified:layers=1,heads=1+page_first", "unified"],
+    ["legacy:tp=2,pp=1+page_first", "unified:layers=4,heads=1+page_first", "unified"],
+    ["unified:layers=1,heads=1", "legacy:tp=2,pp=2", "unified"],
+])
+def test_server_on_a_converted_store_answers_as_a_fresh_run(tmp_path, uncached, hops):
+    """The store a server wrote, converted through other grids and byte orders and back to the
+    layout servers read: a fresh server hits it in L3 and answers as the unconverted store and
+    an uncached run do."""
+    from typer.testing import CliRunner
+
+    from hicache_cli.app import app
+
+    first = served(tmp_path / "s0")
+    assert first["output_ids"] == uncached
+    unconverted = served(tmp_path / "s0")
+    assert unconverted["meta_info"]["cached_tokens_details"]["storage"] > 0
+    for i, to in enumerate(hops):
+        res = CliRunner().invoke(app, ["convert-layout", str(tmp_path / f"s{i}"),
+                                       str(tmp_path / f"s{i + 1}"), "--to", to, "--verify"])
+        assert res.exit_code == 0, res.output
+    out = served(tmp_path / f"s{len(hops)}")
+    assert out["meta_info"]["cached_tokens_details"]["storage"] == \
+        unconverted["meta_info"]["cached_tokens_details"]["storage"]
+    assert out["output_ids"] == unconverted["output_ids"] == uncached

@@ -27,6 +27,10 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}") from None
 
 
+_INT_FIELDS = ("num_layers", "kv_heads", "head_dim", "page_size", "kv_kinds", "layer_start",
+               "head_start", "total_layers", "total_kv_heads")
+
+
 @dataclasses.dataclass(frozen=True)
 class KVLayout:
     """What one page of KV holds.
@@ -50,11 +54,29 @@ class KVLayout:
     byte_order: str = sys.byteorder
 
     def __post_init__(self) -> None:
+        # Layouts also come from stored headers (untrusted JSON): every field is checked for its
+        # type as well as its range, so a string or a list is a ValueError, never a TypeError
+        # from a comparison further on.
+        for name in _INT_FIELDS:
+            v = getattr(self, name)
+            if v is None and name in ("total_layers", "total_kv_heads"):
+                continue
+            if isinstance(v, bool) or not hasattr(v, "__index__"):
+                raise ValueError(f"KVLayout.{name} must be an integer, got {v!r:.40}")
+            object.__setattr__(self, name, int(v.__index__()))
         for name in ("num_layers", "kv_heads", "head_dim", "page_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"KVLayout.{name} must be >= 1, got {getattr(self, name)}")
+        if self.layer_start < 0 or self.head_start < 0:
+            raise ValueError(f"KVLayout layer_start/head_start must be >= 0, got "
+                             f"{self.layer_start}/{self.head_start}")
         if self.kv_kinds not in (1, 2):
             raise ValueError(f"kv_kinds must be 1 (MLA) or 2 (K and V), got {self.kv_kinds}")
+        if not isinstance(self.dtype, str):
+            raise ValueError(f"KVLayout.dtype must be a name, got {self.dtype!r:.40}")
+        if self.byte_order not in ("little", "big"):
+            raise ValueError(f"KVLayout.byte_order must be 'little' or 'big', got "
+                             f"{self.byte_order!r:.40}")
         torch_dtype(self.dtype)
 
     @property

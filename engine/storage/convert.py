@@ -36,7 +36,7 @@ from typing import Callable
 
 import numpy as np
 
-from engine.core.errors import InputError, StorageError
+from engine.core.errors import InputError, StorageError, UsageError
 from engine.core.layout import KVLayout
 from engine.storage.backend import FileRange
 from engine.storage.convert_io import (
@@ -47,12 +47,22 @@ from engine.storage.convert_io import (
     apply_cut,
     fresh,
     holds,
+    meaning_problem,
     read_source,
     recipes,
 )
-from engine.storage.endpoints import Endpoint, FileEndpoint
+from engine.storage.endpoints import MAX_OBJECT_BYTES, Endpoint, FileEndpoint, nested_stores
 from engine.storage.keys import object_key
-from engine.storage.placement import KVOrder, Placement, Tile, describe_object, span
+from engine.storage.placement import (
+    Grid,
+    KVOrder,
+    MalformedDescription,
+    Placement,
+    StorageLayout,
+    Tile,
+    describe_object,
+    span,
+)
 from formats.kvobject import (
     MAX_LAYOUT_BYTES,
     KVObjectCodec,
@@ -70,6 +80,16 @@ WORKERS = max(1, min(4, os.cpu_count() or 1))
 CPU, at most 4. Opening, creating, reading, writing and linking files run without the GIL, so
 pages overlap each other's file-system work; more threads than CPUs only add GIL handoffs
 (measured on 2 CPUs: 4 threads took 25-60% more CPU time than 0-2 for the same wall time)."""
+MAX_MODEL_LAYERS = 1024
+MAX_MODEL_KV_HEADS = 1024
+"""A source object claiming a model larger than this is corrupt: headers are untrusted, and
+the model's size sets the work and memory of a plan (real models have at most a few hundred
+layers and kv-heads)."""
+MAX_TILES = 1 << 14
+"""Target objects per page at most (``--to`` shapes beyond it are refused up front): a model of
+128 layers x 128 kv-heads cut into single cells."""
+MAX_LEGACY_RANKS = 1 << 10
+"""Ranks (tp x pp) of a legacy shape at most."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,8 +127,22 @@ def _group_label(region: KVLayout, placement: Placement, tag: str) -> tuple[str,
 
 def _interpret(description: dict) -> tuple:
     """(region, placement, tag, key suffix, layout group) of a header's description;
-    ValueError when it is not one this tool knows or does not describe itself faithfully."""
+    ValueError when it is not one this tool knows or does not describe itself faithfully
+    (:class:`MalformedDescription` when it claims to be ours but cannot be)."""
     region, placement, tag = describe_object(description)
+    model = region.whole()
+    if model.num_layers > MAX_MODEL_LAYERS or model.kv_heads > MAX_MODEL_KV_HEADS:
+        raise MalformedDescription(
+            f"the object claims a model of {model.num_layers} layers x {model.kv_heads} "
+            f"kv-heads (at most {MAX_MODEL_LAYERS} x {MAX_MODEL_KV_HEADS})")
+    if region.page_bytes > MAX_OBJECT_BYTES:
+        raise MalformedDescription(f"the object claims a payload of {region.page_bytes:,} "
+                                   f"bytes (at most {MAX_OBJECT_BYTES:,})")
+    if placement.scheme is StorageLayout.LEGACY:
+        try:
+            check_target(placement, model, "the object's legacy shape")
+        except UsageError as e:
+            raise MalformedDescription(str(e)) from None
     (l0, l1), (h0, h1) = span(region)
     tile = placement.tile_at(region, placement.namespace(region, tag), (l0, l1), (h0, h1), tag)
     if tile.description != description:
@@ -117,14 +151,15 @@ def _interpret(description: dict) -> tuple:
 
 
 def _heads(src: Endpoint, keys: list[str], chunk: int = 256):
-    """``(key, its first HEAD_BYTES or None)`` for every key, in order; a file store's are read
-    by worker threads (opening and reading files runs without the GIL), a few chunks ahead."""
+    """``(key, (its first HEAD_BYTES, its size) or None)`` for every key, in order; a file
+    store's are read by worker threads (opening and reading files runs without the GIL), a few
+    chunks ahead."""
     if not isinstance(src, FileEndpoint) or len(keys) <= chunk:
-        yield from ((k, src.read(k, HEAD_BYTES)) for k in keys)
+        yield from ((k, src.read_head(k, HEAD_BYTES)) for k in keys)
         return
 
     def read(ks: list[str]) -> list:
-        return [src.read(k, HEAD_BYTES) for k in ks]
+        return [src.read_head(k, HEAD_BYTES) for k in ks]
 
     with ThreadPoolExecutor(WORKERS, thread_name_prefix="hicache-scan") as ex:
         ahead: collections.deque = collections.deque()
@@ -145,23 +180,25 @@ def _scan(src: Endpoint, counts: dict[str, int]):
     placements: dict[tuple[str, str, str], tuple[KVLayout, str]] = {}
     known: dict[bytes, tuple] = {}     # layout description -> what it says (parsed once)
     layouts: dict[bytes, dict] = {}
-    for key, head in _heads(src, src.list_keys()):
-        if head is None:            # vanished or too large since the listing
+    for key, got in _heads(src, src.list_keys()):
+        if got is None:             # vanished or too large since the listing
             counts["corrupt"] += 1
             continue
+        head, size = got
         try:
             h = parse_header(head, layouts=layouts)
             if h.layout_json not in known:
                 known[h.layout_json] = _interpret(h.layout)
-        except KVObjectError:
+        except (KVObjectError, MalformedDescription):
             counts["corrupt"] += 1
             continue
         except ValueError:
             counts["foreign"] += 1      # sound, but not a layout this tool knows
             continue
         region, placement, tag, suffix, g = known[h.layout_json]
-        if object_key(h.page_hash, suffix) != key:
-            counts["corrupt"] += 1      # filed under a key that is not its own
+        if object_key(h.page_hash, suffix) != key or h.payload_len != region.page_bytes \
+                or h.header_len + h.payload_len != size:
+            counts["corrupt"] += 1      # filed under a key not its own, or the wrong size
             continue
         groups.setdefault(g, []).append(SourceObject(key, h.page_hash, region,
                                                      placement.kv_order,
@@ -181,6 +218,10 @@ def plan(src: Endpoint, dst: Endpoint, to: str = "unified", from_: str | None = 
     chosen = Placement.parse_target(from_) if from_ else None
     if src.same_as(dst):
         raise InputError("source and destination are the same store")
+    if isinstance(src, FileEndpoint) and isinstance(dst, FileEndpoint):
+        nested = nested_stores(src.root, dst.root)
+        if nested:
+            raise InputError(f"{nested}; nothing was written")
     counts = dict.fromkeys(("objects_in", "bytes_in", "objects_out", "bytes_out", "present",
                             "corrupt", "foreign", "other_layout", "incomplete_pages"), 0)
     groups, models = _scan(src, counts)
@@ -212,7 +253,13 @@ def plan(src: Endpoint, dst: Endpoint, to: str = "unified", from_: str | None = 
                          f"one at a time: {' or '.join(how) or '--from LAYOUT'}")
     (g, objects), = groups.items()
     model, tag = models[g]
+    check_target(target, model, f"--to {to}")
     tiles = target.all_tiles(model, tag)
+    too_big = [t for t in tiles if t.payload_len > MAX_OBJECT_BYTES]
+    if too_big:
+        raise UsageError(f"--to {to}: a target object of this model would hold "
+                         f"{too_big[0].payload_len:,} bytes (at most {MAX_OBJECT_BYTES:,}); "
+                         "choose a finer grid")
     p = Plan(g[2], target.label(model), model, tag, tiles,
              [KVObjectCodec(t.description) for t in tiles], target.kv_order, {}, {}, set(),
              counts)
@@ -222,6 +269,41 @@ def plan(src: Endpoint, dst: Endpoint, to: str = "unified", from_: str | None = 
     _plan_outputs(p)
     _check_destination(p, dst, max_bytes)
     return p
+
+
+def check_shape(target: Placement, what: str) -> None:
+    """``UsageError`` for a target too large for any model (checked before the source is
+    read): a legacy shape with more than :data:`MAX_LEGACY_RANKS` ranks."""
+    if target.scheme is StorageLayout.LEGACY and \
+            target.tp[1] * target.pp[1] > MAX_LEGACY_RANKS:
+        raise UsageError(f"{what}: tp x pp = {target.tp[1] * target.pp[1]:,} ranks (at most "
+                         f"{MAX_LEGACY_RANKS:,})")
+
+
+def check_target(target: Placement, model: KVLayout, what: str) -> None:
+    """``UsageError`` unless ``target`` can lay out ``model``: a legacy shape must split the
+    model's kv-heads over its TP ranks (``heads / tp`` each, or one head for ``tp / heads``
+    ranks) and its layers over its PP stages (at most one stage per layer); at most
+    :data:`MAX_TILES` objects per page. Cheap: nothing is enumerated before it passes."""
+    check_shape(target, what)
+    L, H = model.model_layers, model.model_kv_heads
+    if target.scheme is StorageLayout.LEGACY:
+        tp, pp = target.tp[1], target.pp[1]
+        if pp > L:
+            raise UsageError(f"{what}: pp={pp} is more pipeline stages than the model's {L} "
+                             "layers")
+        if model.kv_kinds == 2 and H % tp and tp % H:
+            raise UsageError(f"{what}: the model's {H} kv-heads cannot be split over tp={tp} "
+                             f"ranks (tp must divide {H} or be a multiple of it)")
+        return
+    try:
+        g = Grid.parse(target.grid, model)
+    except ValueError as e:
+        raise UsageError(f"{what}: {e}") from None
+    n = -(-L // g.layers) * (1 if model.kv_kinds == 1 else -(-H // g.heads))
+    if n > MAX_TILES:
+        raise UsageError(f"{what}: {n:,} objects per page (at most {MAX_TILES:,}); choose a "
+                         "coarser grid")
 
 
 def _covered(objs: list[SourceObject], model: KVLayout) -> np.ndarray:
@@ -284,8 +366,10 @@ def _check_destination(p: Plan, dst: Endpoint, max_bytes: int | None) -> None:
 
 
 # -- running -----------------------------------------------------------------------------------
-_COUNTS = ("written", "bytes_written", "skipped_present", "verified", "read_corrupt",
-           "not_produced", "kernel_copied_bytes")
+_COUNTS = ("written", "bytes_written", "skipped_present", "verified", "verify_failed",
+           "read_corrupt", "not_produced", "kernel_copied_bytes")
+MAX_PROBLEMS = 8
+"""Objects ``--verify`` found wrong are counted; the first few are named."""
 
 
 @dataclasses.dataclass
@@ -293,6 +377,7 @@ class Result:
     counts: dict[str, int]
     seconds: float = 0.0
     interrupted: bool = False
+    problems: list[str] = dataclasses.field(default_factory=list)   # verify: the first few
 
 
 @dataclasses.dataclass
@@ -302,6 +387,8 @@ class _Out:
     header: bytes
     pieces: list                # the payload as bytes in memory (to compare with)
     size: int
+    index: int = 0              # the tile's index in the plan
+    srcs: list = dataclasses.field(default_factory=list)    # the page's sound sources
 
 
 @dataclasses.dataclass
@@ -313,6 +400,7 @@ class _Page:
     fds: list[int] = dataclasses.field(default_factory=list)
     nbytes: int = 0
     error: BaseException | None = None
+    problems: list[str] = dataclasses.field(default_factory=list)
 
 
 def run(p: Plan, src: Endpoint, dst: Endpoint, *, verify: bool = False,
@@ -413,6 +501,7 @@ class _Converter:
     def _merge(self, w: _Page) -> None:
         for k, v in w.counts.items():
             self.res.counts[k] += v
+        self.res.problems.extend(w.problems[:MAX_PROBLEMS - len(self.res.problems)])
 
     # -- one page ------------------------------------------------------------------------------
     def _direct(self, ph: bytes, objs: list[SourceObject]) -> _Page:
@@ -466,10 +555,10 @@ class _Converter:
                 Assembly.fill(copies, srcs)
                 p.codecs[r.index].encode_header_into(head, ph, payload, checksum(payload))
                 if key in p.present:
-                    self._same(key, head, [payload])
-                    counts["skipped_present"] += 1
+                    self._present(w, key, head, [payload], r.index, ph, srcs)
                 else:
-                    w.outs.append(_Out(key, [whole], head, [payload], len(whole)))
+                    w.outs.append(_Out(key, [whole], head, [payload], len(whole), r.index,
+                                       srcs))
                 continue
             t = p.tiles[r.index]
             if r.runs:
@@ -483,23 +572,21 @@ class _Converter:
                 head = memoryview(whole)[:codec.header_len]
                 codec.encode_header_into(head, ph, payload, checksum_parts(pieces))
                 if key in p.present:
-                    self._same(key, head, pieces)
-                    counts["skipped_present"] += 1
+                    self._present(w, key, head, pieces, r.index, ph, srcs)
                 else:
-                    w.outs.append(_Out(key, [whole], head, pieces, len(whole)))
+                    w.outs.append(_Out(key, [whole], head, pieces, len(whole), r.index, srcs))
                 continue
             else:
                 pieces = body = [apply_cut(r, t, srcs, p.target_order, take)]
                 psum = checksum_parts(pieces)
             header = p.codecs[r.index].header_for(ph, t.payload_len, psum)
             if key in p.present:
-                self._same(key, header, pieces)
-                counts["skipped_present"] += 1
+                self._present(w, key, header, pieces, r.index, ph, srcs)
                 continue
             if r.runs:
                 counts["kernel_copied_bytes"] += t.payload_len
             w.outs.append(_Out(key, [header, *body], header, pieces,
-                               len(header) + t.payload_len))
+                               len(header) + t.payload_len, r.index, srcs))
 
     def _recipes(self, srcs: list[Source], wanted: list[int]) -> list[Recipe | None]:
         """The page's recipes: worked out once per (source rectangles, wanted tiles)."""
@@ -536,8 +623,37 @@ class _Converter:
             return
         if self.verify:
             for o in outs:
-                self._same(o.key, o.header, o.pieces)
-                w.counts["verified"] += 1
+                raw = self.dst.read(o.key)
+                problem = "differs from what was written" if not holds(
+                    raw, o.header, o.pieces) else self._meaning(raw, o.key, o.index, o.srcs)
+                self._verdict(w, o.key, problem)
+
+    def _present(self, w: _Page, key: str, header, pieces: list, index: int, ph: bytes,
+                 srcs: list) -> None:
+        """A target object the destination holds already: it must be what this conversion
+        produces (else the run stops: a conflicting or damaged object); with ``verify`` its
+        meaning is checked too."""
+        raw = self.dst.read(key)
+        if not holds(raw, header, pieces):
+            raise InputError(f"the destination's object {key} differs from what this "
+                             "conversion produces (a conflicting or damaged object); remove it "
+                             "and run again")
+        w.counts["skipped_present"] += 1
+        if self.verify:
+            self._verdict(w, key, self._meaning(raw, key, index, srcs))
+
+    def _meaning(self, raw, key: str, index: int, srcs: list) -> str | None:
+        return meaning_problem(raw, self.p.tiles[index].description, bytes.fromhex(key[:64]),
+                               srcs)
+
+    @staticmethod
+    def _verdict(w: _Page, key: str, problem: str | None) -> None:
+        if problem is None:
+            w.counts["verified"] += 1
+        else:
+            w.counts["verify_failed"] += 1
+            if len(w.problems) < MAX_PROBLEMS:
+                w.problems.append(f"{key}: {problem}")
 
     def _flush(self, batch: list[_Page]) -> None:
         """Write a batch of pages' objects to a destination that is not a file store."""
@@ -551,12 +667,6 @@ class _Converter:
         self._merge(total)
         if total.error is not None:
             raise total.error
-
-    def _same(self, key: str, header: bytes, pieces: list) -> None:
-        if not holds(self.dst.read(key), header, pieces):
-            raise InputError(f"the destination's object {key} differs from what this "
-                             "conversion produces (a conflicting or damaged object); remove it "
-                             "and run again")
 
     @staticmethod
     def _close(w: _Page) -> None:

@@ -143,11 +143,20 @@ def _check(raw: memoryview, o, fd: int | None) -> Source | None:
                   h.header_len)
 
 
-def byte_runs(tile: Tile, srcs: list[Source]) -> list[tuple[Source, int, int]] | None:
+def byte_runs(tile: Tile, srcs: list[Source], order: KVOrder) -> list[tuple[Source, int, int]] | None:
     """The tile's payload as ``(source, offset in its payload, length)`` runs, when it is
-    that: ``layer_first`` on both sides, and each piece from a source with exactly the tile's
-    kv-heads (cuts and joins along the layer axis)."""
+    that in the target's byte order ``order``: ``layer_first`` on both sides, and each piece
+    from a source with exactly the tile's kv-heads (cuts and joins along the layer axis); or a
+    source holding exactly the tile's rectangle in the target's order (its whole payload).
+
+    Nothing else is a byte run: a ``page_first`` payload is token-major, so a part of one (or
+    of a ``layer_first`` one) is never a run of the other order's bytes."""
     (tl0, tl1), heads = tile.layers, tile.heads
+    if order is not KVOrder.LAYER_FIRST:
+        for s in srcs:
+            if s.obj.order is order and span(s.obj.region) == (tile.layers, heads):
+                return [(s, 0, len(s.payload))]
+        return None
     out, at = [], tl0
     while at < tl1:
         for s in srcs:
@@ -197,7 +206,7 @@ def recipes(tiles: list[Tile], wanted: list[int], srcs: list[Source], order: KVO
         if not mask[t.layers[0]:t.layers[1], t.heads[0]:t.heads[1]].all():
             out.append(None)
             continue
-        runs = byte_runs(t, srcs) if ranges else None
+        runs = byte_runs(t, srcs, order) if ranges else None
         if runs:
             whole = len(runs) == 1 and runs[0][2] == len(runs[0][0].payload)
             out.append(Recipe(i, tuple((pos[id(s)], a, n) for s, a, n in runs), whole))
@@ -293,3 +302,67 @@ def holds(got: bytes | None, header: bytes, pieces: list) -> bool:
             return False
         at += n
     return True
+
+
+# -- what --verify checks: the meaning of the bytes ------------------------------------------
+_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def kv_elements(payload, region: KVLayout, order: KVOrder) -> np.ndarray:
+    """The payload's KV as ``[layers, kv_kinds, page_size, heads, head_dim]`` elements (their
+    bits, as unsigned integers of the dtype's size: exact, NaN-safe), decoded from ``order``
+    alone: ``layer_first`` is ``[L, K, P, H, D]``, ``page_first`` is ``[P, L, K, H, D]``."""
+    L, K, P, H, D = (region.num_layers, region.kv_kinds, region.page_size, region.kv_heads,
+                     region.head_dim)
+    a = np.frombuffer(payload, dtype=_BITS[region.itemsize])
+    if order is KVOrder.LAYER_FIRST:
+        return a.reshape(L, K, P, H, D)
+    return a.reshape(P, L, K, H, D).transpose(1, 2, 0, 3, 4)
+
+
+def meaning_problem(raw: bytes | None, description: dict, page_hash: bytes,
+                    srcs: list[Source]) -> str | None:
+    """Why the object ``raw`` (read back from a destination) does not hold the sources' KV for
+    its rectangle, or None when it does: it must be sound (header and payload checksums), carry
+    ``description`` and ``page_hash``, and — decoded through its own header's layout and byte
+    order — every element ``(layer, kv, token, head, dim)`` must equal the one the source that
+    covers it holds (decoded through the source's own layout)."""
+    from engine.storage.placement import describe_object
+
+    if raw is None:
+        return "missing after the write"
+    try:
+        h = parse_header(raw)
+        payload = memoryview(raw)[h.header_len:]
+        verify_payload(h, payload)
+    except KVObjectError as e:
+        return str(e)
+    if h.page_hash != page_hash:
+        return f"holds page {h.page_hash.hex()[:16]}…"
+    if h.layout != description:
+        return "its header describes another layout than the target's"
+    try:
+        region, placement, _ = describe_object(h.layout)
+    except (ValueError, TypeError) as e:
+        return f"its header does not describe a layout ({e})"
+    if h.payload_len != region.page_bytes:
+        return f"payload of {h.payload_len} bytes for a layout of {region.page_bytes}"
+    got = kv_elements(payload, region, placement.kv_order)
+    (tl0, tl1), (th0, th1) = span(region)
+    seen = np.zeros((tl1 - tl0, th1 - th0), dtype=bool)
+    for s in srcs:
+        (l0, l1), (h0, h1) = span(s.obj.region)
+        a0, a1, b0, b1 = max(l0, tl0), min(l1, tl1), max(h0, th0), min(h1, th1)
+        if not (a0 < a1 and b0 < b1):
+            continue
+        want = kv_elements(s.payload, s.obj.region, s.obj.order)[
+            a0 - l0:a1 - l0, :, :, b0 - h0:b1 - h0]
+        mine = got[a0 - tl0:a1 - tl0, :, :, b0 - th0:b1 - th0]
+        if not np.array_equal(mine, want):
+            la, k, t, hd, d = (int(x) for x in np.argwhere(mine != want)[0])
+            return (f"element (layer {a0 + la}, {'KV'[k] if region.kv_kinds == 2 else 'latent'}"
+                    f", token {t} of the page, head {b0 + hd}, dim {d}) is not the source's")
+        seen[a0 - tl0:a1 - tl0, b0 - th0:b1 - th0] = True
+    if not seen.all():
+        return "part of its rectangle is in no sound source object"
+    return None

@@ -181,7 +181,7 @@ class Placement:
                              "legacy:tp=N,pp=N (optionally +page_first)") from None
         if kind is StorageLayout.UNIFIED:
             if rest:
-                _parse_kv(rest, {"layers", "heads", "tp", "pp"}, "grid")
+                check_grid_spec(rest)
             return cls(kind, rest or None, order)
         kv = _parse_kv(rest, {"tp", "pp"}, "legacy shape") if rest else {}
         return cls(kind, None, order, (0, kv.get("tp", 1)), (0, kv.get("pp", 1)))
@@ -269,26 +269,42 @@ class Placement:
         return out
 
 
+class MalformedDescription(ValueError):
+    """An object header's layout description that claims to be one of ours but does not hold
+    together (a field of the wrong type or out of range): a damaged or crafted object."""
+
+
 def describe_object(description: dict[str, Any]) -> tuple[KVLayout, Placement, str]:
     """Back from an object header's layout description to (its region, the placement that
-    wrote it, the model tag); ``ValueError`` when it is not one of ours."""
+    wrote it, the model tag); ``ValueError`` when it is not one of ours
+    (:class:`MalformedDescription` when it claims to be but does not hold together)."""
     d = dict(description)
     store = d.pop("store", None)
     if not isinstance(store, dict):
         raise ValueError("the object's header does not say how the store is laid out "
                          "(written before the unified layout?)")
-    layout = KVLayout.from_dict(d)
     try:
+        layout = KVLayout.from_dict(d)
+        layout.whole()                      # the region lies inside the model it names
         scheme = StorageLayout.parse(store["scheme"])
         order = KVOrder.parse(store["kv_order"])
-        tag = str(store.get("tag", ""))
+        tag = store.get("tag", "")
+        if not isinstance(tag, str):
+            raise ValueError(f"model tag {tag!r:.40} is not a string")
         if scheme is StorageLayout.UNIFIED:
-            gl, gh = (int(x) for x in store["grid"])
+            gl, gh = (_int(x) for x in store["grid"])
             place = Placement(scheme, f"layers={gl},heads={gh}", order)
         else:
-            tp_n, pp_n = (int(x) for x in store["shape"])
-            tp_r, pp_r = (int(x) for x in store["rank"])
+            tp_n, pp_n = (_int(x) for x in store["shape"])
+            tp_r, pp_r = (_int(x) for x in store["rank"])
             place = Placement(scheme, None, order, (tp_r, tp_n), (pp_r, pp_n))
     except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"the object's storage description is malformed ({e})") from None
+        raise MalformedDescription(f"the object's layout description is malformed ({e})") \
+            from None
     return layout, place, tag
+
+
+def _int(x: Any) -> int:
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise ValueError(f"{x!r:.40} is not an integer")
+    return x
