@@ -18,12 +18,14 @@ from engine.core.errors import InputError
 from engine.loadgen.trace import (
     MAX_BLOCK_ID,
     MAX_INPUT_LENGTH,
+    MAX_TIMESTAMP_MS,
     TRACE_BLOCK,
     Trace,
+    over_limit,
+    trace_limit,
 )
 
 COLUMNS = ("timestamp", "input_length", "output_length", "hash_ids")
-MAX_COLUMNAR_BYTES = 4 << 30          # decoded size we accept from one file
 SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".feather": "arrow"}
 
 
@@ -32,23 +34,46 @@ def columnar_kind(path: str) -> str | None:
     return SUFFIXES.get(os.path.splitext(path)[1].lower())
 
 
+def _parquet_plan(pf, name: str, cap: int) -> list[int]:
+    """The row groups holding the first ``cap`` rows, after checking from the footer alone
+    (before any page is decompressed) that their decoded columns and stored hash ids fit the
+    limits: a few KB of run-length or dictionary encoded pages can decode to gigabytes."""
+    meta = pf.metadata
+    max_blocks, max_bytes = trace_limit("MAX_TRACE_BLOCKS"), trace_limit("MAX_TRACE_BYTES")
+    leaf = [i for i in range(meta.num_columns)
+            if meta.schema.column(i).path.split(".")[0] == "hash_ids"]
+    groups: list[int] = []
+    rows = ids = size = 0
+    for g in range(meta.num_row_groups):
+        if rows >= cap:
+            break
+        rg = meta.row_group(g)
+        groups.append(g)
+        rows += rg.num_rows
+        ids += sum(rg.column(i).num_values for i in leaf)
+        size += sum(rg.column(i).total_uncompressed_size for i in range(rg.num_columns)
+                    if meta.schema.column(i).path.split(".")[0] in COLUMNS)
+        if ids > max_blocks:
+            raise over_limit(name, f"{ids:,} stored hash ids", "MAX_TRACE_BLOCKS")
+        if size > max_bytes:
+            raise over_limit(name, f"{size:,} bytes of decoded columns", "MAX_TRACE_BYTES")
+    return groups
+
+
 def _batches(path: str, cap: int, parquet: bool):
     """Record batches of the file's first ``cap`` rows, after a size check."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     name = os.path.basename(path)
+    max_blocks, max_bytes = trace_limit("MAX_TRACE_BLOCKS"), trace_limit("MAX_TRACE_BYTES")
     if parquet:
         pf = pq.ParquetFile(path)
-        meta = pf.metadata
-        size = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
-        if size > MAX_COLUMNAR_BYTES:
-            raise InputError(f"{name}: {size:,} bytes of columns exceed the limit "
-                             f"{MAX_COLUMNAR_BYTES:,}")
         missing = [c for c in COLUMNS if c not in pf.schema_arrow.names]
         if missing:
             raise InputError(f"{name}: missing column {missing[0]!r}")
-        batches = pf.iter_batches(batch_size=65_536, columns=list(COLUMNS))
+        groups = _parquet_plan(pf, name, cap)
+        batches = pf.iter_batches(batch_size=65_536, columns=list(COLUMNS), row_groups=groups)
     else:
         reader = pa.ipc.open_file(pa.memory_map(path))
         missing = [c for c in COLUMNS if c not in reader.schema.names]
@@ -58,12 +83,20 @@ def _batches(path: str, cap: int, parquet: bool):
                    for i in range(reader.num_record_batches))
     rows = 0
     nbytes = 0
+    ids = 0
     for batch in batches:
         nbytes += batch.nbytes
-        if nbytes > MAX_COLUMNAR_BYTES:
-            raise InputError(f"{name}: columns exceed the limit of {MAX_COLUMNAR_BYTES:,} bytes")
-        yield batch.slice(0, cap - rows)
-        rows += min(batch.num_rows, cap - rows)
+        if nbytes > max_bytes:
+            raise over_limit(name, f"{nbytes:,} bytes of decoded columns", "MAX_TRACE_BYTES")
+        batch = batch.slice(0, cap - rows)
+        col = batch.column("hash_ids")
+        if hasattr(col, "offsets") and len(col):
+            offs = col.offsets
+            ids += int(offs[len(offs) - 1].as_py()) - int(offs[0].as_py())
+            if ids > max_blocks:
+                raise over_limit(name, f"{ids:,} stored hash ids", "MAX_TRACE_BLOCKS")
+        yield batch
+        rows += batch.num_rows
         if rows >= cap:
             return
 
@@ -106,7 +139,8 @@ def read_columnar(path: str, cap: int, parquet: bool) -> Trace:
         raise InputError(f"{name}: column 'hash_ids' must be a list of integers, not {ids.type}")
     if ids.null_count or ids.values.null_count:
         raise InputError(f"{name}: column 'hash_ids' has empty (null) values")
-    _first_bad(name, ~np.isfinite(ts) | (ts < 0), "timestamp must be a number >= 0")
+    _first_bad(name, ~np.isfinite(ts) | (ts < 0) | (ts >= MAX_TIMESTAMP_MS),
+               "timestamp must be a number of ms in [0, 2**53)")
     _first_bad(name, n_in < 1, "input_length must be an integer >= 1")
     _first_bad(name, n_in > MAX_INPUT_LENGTH, f"input_length exceeds the limit {MAX_INPUT_LENGTH}")
     _first_bad(name, n_out < 0, "output_length must be an integer >= 0")
@@ -116,6 +150,9 @@ def read_columnar(path: str, cap: int, parquet: bool) -> Trace:
         offsets = offsets - offsets[0]
     lens = np.diff(offsets)
     need = -(-n_in // TRACE_BLOCK)
+    total = int(need.sum())
+    if total > trace_limit("MAX_TRACE_BLOCKS"):
+        raise over_limit(name, f"{total:,} blocks", "MAX_TRACE_BLOCKS")
     _first_bad(name, lens < need, f"hash_ids cannot cover input_length (blocks of {TRACE_BLOCK})")
     bad = (values < 0) | (values >= MAX_BLOCK_ID)
     if bad.any():
