@@ -105,3 +105,28 @@ def test_a_huge_prefetch_timeout_still_waits_and_returns():
     job = Job("get", [], np.zeros(0, np.int64), None, 0)
     threading.Timer(0.2, job.event.set).start()
     assert c.l3.wait(job) is True
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["bench", "replay", DATA, "--limit", "5", "--cp", "100000"],
+     "--cp must be 1..64 (the simulated ranks of one replica), got 100,000"),
+    (["bench", "replay", DATA, "--limit", "5", "--sweep", "--capacities", "1e300"],
+     "--capacities: capacities must be at most 1,000,000,000,000,000 tokens"),
+    (["bench", "--threads", "100000"], "--threads must be 1..1024, got 100,000"),
+    (["bench", "--seed", "-1"], "--seed must be an integer in [0, 2**63 - 1], got -1"),
+    (["bench", "run", "--url", "http://127.0.0.1:9", "--vocab-size", str(10 ** 20)],
+     "vocab-size must be at most 2,147,483,648"),
+    (["bench", "run", "--url", "http://127.0.0.1:9", "-w", f"trace:{DATA}", "--vocab-size",
+      str(10 ** 20)], "vocab-size must be in 2..2,147,483,648"),
+    (["bench", "run", "--url", "http://127.0.0.1:9", "--request-length", str(10 ** 12)],
+     "the last round's prompt would hold"),
+    (["bench", "run", "--url", "http://127.0.0.1:9", "--num-rounds", str(10 ** 9)],
+     "num-rounds must be at most 65,536"),
+])
+def test_bench_commands_refuse_out_of_range_values(args, msg):
+    """Before: --cp 100000 was killed by the OOM killer in 60 s, --threads 100000 crashed the
+    process (SIGSEGV), --request-length 1e12 a MemoryError traceback, the others 'internal
+    error' (exit 1). Now each is a usage error (exit 2) naming the range."""
+    r = runner.invoke(app, args)
+    assert r.exit_code == 2, r.output
+    assert msg in r.stderr and "Traceback" not in r.output, r.stderr

@@ -347,6 +347,8 @@ def trace_workload(path: str, *, speedup: float = 1.0, limit: int | None = None,
         raise ValueError(f"speedup must be a finite number > 0, got {speedup}")
     if not 1 <= block_tokens_n <= TRACE_BLOCK:
         raise ValueError(f"block tokens must be in 1..{TRACE_BLOCK}, got {block_tokens_n}")
+    if not 2 <= vocab_size <= 1 << 31:
+        raise ValueError(f"vocab-size must be in 2..{1 << 31:,}, got {vocab_size:,}")
     trace = load_trace(path, limit)
     order = np.argsort(trace.timestamps_ms, kind="stable")
     t0 = float(trace.timestamps_ms[order[0]])
