@@ -156,3 +156,30 @@ def test_replay_workload_holds_blocks_not_tokens(tmp_path):
     spec = wl.sessions[2].first()
     assert spec.prompt_len == BIG and len(list(spec.input_ids)) == BIG
     assert spec.input_ids[:3] == tuple(spec.input_ids[i] for i in range(3))
+
+
+def test_compressed_arrow_batches_are_sized_before_they_are_decoded(tmp_path):
+    """A zstd-compressed Arrow IPC file of 2.4 KB whose one batch decodes to 12.5 MB: its
+    decoded size is read from the batch's metadata (each compressed buffer leads with its
+    length) and checked against MAX_TRACE_BYTES before the batch is decompressed."""
+    import pyarrow as pa
+
+    rows = 200
+    table = pa.table({
+        "timestamp": pa.array(np.zeros(rows)),
+        "input_length": pa.array(np.full(rows, BIG, dtype=np.int64)),
+        "output_length": pa.array(np.ones(rows, dtype=np.int64)),
+        "hash_ids": pa.ListArray.from_arrays(pa.array(np.arange(rows + 1, dtype=np.int32) * NEED),
+                                             pa.array(np.zeros(rows * NEED, dtype=np.int64))),
+    })
+    path = str(tmp_path / "bomb.arrow")
+    with pa.OSFile(path, "wb") as f, pa.ipc.new_file(
+            f, table.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as w:
+        w.write_table(table)
+    assert os.path.getsize(path) < 16 << 10
+    p, _ = run_cli(tmp_path, "bench", "replay", path,
+                   env={"HICACHE_TRACE_MAX_BYTES": str(5_000_000)})
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "bomb.arrow: 12,5" in p.stderr and "exceeds the limit 5,000,000 (MAX_TRACE_BYTES" \
+        in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert len(load_trace(path)) == rows            # within the default limit it reads

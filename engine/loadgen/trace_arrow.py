@@ -60,6 +60,81 @@ def _parquet_plan(pf, name: str, cap: int) -> list[int]:
     return groups
 
 
+def _u32(b: bytes, at: int) -> int:
+    return int.from_bytes(b[at:at + 4], "little")
+
+
+def _fb_field(b: bytes, table: int, i: int) -> int | None:
+    """Where field ``i`` of the flatbuffer table at ``table`` lies (None: absent)."""
+    vt = table - int.from_bytes(b[table:table + 4], "little", signed=True)
+    if not 0 <= vt < len(b) - 4:
+        raise ValueError("bad vtable")
+    at = 4 + 2 * i
+    if at >= int.from_bytes(b[vt:vt + 2], "little"):
+        return None
+    off = int.from_bytes(b[vt + at:vt + at + 2], "little")
+    return table + off if off else None
+
+
+def _ipc_batch_bytes(meta: bytes, body) -> tuple[int, int]:
+    """(rows, decoded bytes) of one Arrow IPC record batch, from its message metadata (the
+    flatbuffer ``Message`` → ``RecordBatch``) and the 8-byte length that leads each compressed
+    buffer, without decoding it."""
+    msg = _u32(meta, 0)
+    hdr = _fb_field(meta, msg, 2)
+    if hdr is None:
+        raise ValueError("no header")
+    rb = hdr + _u32(meta, hdr)
+    length = _fb_field(meta, rb, 0)
+    rows = 0 if length is None else int.from_bytes(meta[length:length + 8], "little",
+                                                   signed=True)
+    bufs = _fb_field(meta, rb, 2)
+    compressed = _fb_field(meta, rb, 3) is not None
+    total = 0
+    if bufs is not None:
+        vec = bufs + _u32(meta, bufs)
+        for k in range(_u32(meta, vec)):
+            at = vec + 4 + 16 * k
+            off = int.from_bytes(meta[at:at + 8], "little", signed=True)
+            n = int.from_bytes(meta[at + 8:at + 16], "little", signed=True)
+            if off < 0 or n < 0 or off + n > body.size:
+                raise ValueError("buffer outside the body")
+            if compressed and n >= 8:
+                raw = int.from_bytes(body.slice(off, 8).to_pybytes(), "little", signed=True)
+                n = n - 8 if raw == -1 else raw
+            total += max(n, 0)
+    return rows, total
+
+
+def _ipc_plan(path: str, name: str, cap: int) -> None:
+    """Check the decoded size of the record batches holding the first ``cap`` rows of an
+    Arrow IPC file before any is decompressed (a compressed batch of a few KB can decode to
+    gigabytes)."""
+    import pyarrow as pa
+
+    max_bytes = trace_limit("MAX_TRACE_BYTES")
+    buf = pa.memory_map(path).read_buffer()
+    reader = pa.ipc.MessageReader.open_stream(pa.BufferReader(buf.slice(8)))
+    rows = total = 0
+    try:
+        while rows < cap:
+            try:
+                m = reader.read_next_message()
+            except StopIteration:
+                break
+            if m.type != "record batch":
+                continue
+            n, size = _ipc_batch_bytes(m.metadata.to_pybytes(), m.body)
+            rows += n
+            total += size
+            if total > max_bytes:
+                raise over_limit(name, f"{total:,} bytes of decoded columns", "MAX_TRACE_BYTES")
+    except (ValueError, IndexError) as exc:
+        if isinstance(exc, InputError):
+            raise
+        raise InputError(f"{name}: not an Arrow IPC file this reader accepts ({exc})") from None
+
+
 def _batches(path: str, cap: int, parquet: bool):
     """Record batches of the file's first ``cap`` rows, after a size check."""
     import pyarrow as pa
@@ -75,6 +150,7 @@ def _batches(path: str, cap: int, parquet: bool):
         groups = _parquet_plan(pf, name, cap)
         batches = pf.iter_batches(batch_size=65_536, columns=list(COLUMNS), row_groups=groups)
     else:
+        _ipc_plan(path, name, cap)
         reader = pa.ipc.open_file(pa.memory_map(path))
         missing = [c for c in COLUMNS if c not in reader.schema.names]
         if missing:
