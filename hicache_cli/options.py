@@ -69,6 +69,9 @@ def usage(flag: str = "") -> Iterator[None]:
         raise UsageError(f"{flag}: {exc}" if flag else str(exc)) from None
 
 
+MAX_TOKEN_COUNT = 10 ** 15
+
+
 def token_counts(flag: str, text: str) -> list[int]:
     """``'640k,1.28m,2g'`` → token counts (k, m, g are 10**3, 10**6, 10**9), each >= 1."""
     out = []
@@ -84,6 +87,9 @@ def token_counts(flag: str, text: str) -> list[int]:
             raise UsageError(f"{flag}: {word!r} is not a token count") from None
         if val < 1:
             raise UsageError(f"{flag}: capacities must be >= 1, got {val}")
+        if val > MAX_TOKEN_COUNT:
+            raise UsageError(f"{flag}: capacities must be at most {MAX_TOKEN_COUNT:,} tokens, "
+                             f"got {word}{part.strip()[len(word):]}")
         out.append(val)
     return out
 

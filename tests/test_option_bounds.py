@@ -19,8 +19,8 @@ DATA = os.path.join(os.path.dirname(__file__), "data", "conversation_trace_head4
 @pytest.mark.parametrize("kw, opt", [
     ({"l1_tokens": 10**18}, "--l1-tokens 1,000,000,000,000,000,000 needs"),
     ({"l2_tokens": 10**18}, "--l2-tokens: an L2 of 1,000,000,000,000,000,000 tokens needs"),
-    ({"hicache_size_gb": 1e12}, "--hicache-size: an L2 of"),
-    ({"hicache_ratio": 1e15}, "--hicache-ratio: an L2 of"),
+    ({"hicache_size_gb": 1e8}, "--hicache-size: an L2 of"),
+    ({"hicache_ratio": 1e5}, "--hicache-ratio: an L2 of"),
 ])
 def test_tier_sizes_beyond_memory_are_usage_errors(kw, opt):
     with pytest.raises(ValueError, match=opt) as e:
@@ -57,3 +57,76 @@ def test_ranks_are_bounded(n, msg):
     assert r.exit_code == 2 and msg in r.stderr, r.output
     cap, why = max_local_ranks()
     assert 1 <= cap and "CPUs" in why
+
+
+# --- ranges of the numeric options no memory check covers (issue 24 §6) -----------------------
+
+@pytest.mark.parametrize("args, msg", [
+    (["--hicache-ratio", "1e308"], "--hicache-ratio must be a finite number >= 0 and <= 1e+06"),
+    (["--hicache-size", "1e308"], "--hicache-size must be a finite number >= 0 and <= 1e+09"),
+    (["--collective-timeout", "1e308"], "--collective-timeout must be a finite number >= 1 and"),
+    (["--collective-timeout", "1e-300"], "--collective-timeout must be a finite number >= 1 and"),
+    (["--collective-timeout", "nan"], "--collective-timeout must be a finite number"),
+    (["--hicache-storage-prefetch-timeout", "1e308"],
+     "--hicache-storage-prefetch-timeout must be a finite number >= 0 and <= 604800"),
+    (["--pd-transfer-timeout", "1e308"], "--pd-transfer-timeout must be a finite number > 0"),
+    (["--hicache-storage-backend", "file", "--hicache-storage-size-limit", "-5GiB"],
+     "--hicache-storage-size-limit: not a size: '-5GiB'"),
+    (["--hicache-storage-size-limit", "-5GiB"], "--hicache-storage-size-limit: not a size"),
+    (["--seed", "-1"], "--seed must be an integer in [0, 2**63 - 1], got -1"),
+    (["--seed", str(1 << 64)], "--seed must be an integer in [0, 2**63 - 1]"),
+    (["--cp", "1000"], "--cp 1000: 1,000 rank processes on this host; it can run at most"),
+    (["--cp", "16", "--tp", "2", "--pp", "8"], "256 rank processes on this host"),
+])
+def test_serve_refuses_out_of_range_values_at_once(args, msg):
+    """Each was a traceback, a run that spawned hundreds of processes (--cp 1000), or a value
+    silently accepted (a negative size limit, a negative seed): now exit 2, one line, the range."""
+    r = runner.invoke(app, ["bench", "serve", "--port", "0", *args])
+    assert r.exit_code == 2, r.output
+    assert msg in r.stderr and "Traceback" not in r.output
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_huge_prefetch_timeout_still_waits_and_returns():
+    """The prefetch wait clamps its timer to what threading accepts (a library caller may pass
+    any float; the 500 came from Event.wait(1e308) raising OverflowError)."""
+    import threading
+
+    import numpy as np
+
+    from engine.cache.l3 import Job, StoreTier
+    from engine.storage import L3Store, MemoryStoreConfig
+    from engine.storage.backends.memory import MemoryBackend
+    from tests.factories import make_cache
+
+    c = make_cache(page_size=4, l1_pages=4, l2_pages=4)
+    c.attach_l3(StoreTier(L3Store(MemoryBackend(MemoryStoreConfig()), c.config.layout), c.l2),
+                prefetch_policy="timeout", prefetch_timeout=1e308)
+    job = Job("get", [], np.zeros(0, np.int64), None, 0)
+    threading.Timer(0.2, job.event.set).start()
+    assert c.l3.wait(job) is True
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["bench", "replay", DATA, "--limit", "5", "--cp", "100000"],
+     "--cp must be 1..64 (the simulated ranks of one replica), got 100,000"),
+    (["bench", "replay", DATA, "--limit", "5", "--sweep", "--capacities", "1e300"],
+     "--capacities: capacities must be at most 1,000,000,000,000,000 tokens"),
+    (["bench", "--threads", "100000"], "--threads must be 1..1024, got 100,000"),
+    (["bench", "--seed", "-1"], "--seed must be an integer in [0, 2**63 - 1], got -1"),
+    (["bench", "run", "--url", "http://127.0.0.1:9", "--vocab-size", str(10 ** 20)],
+     "vocab-size must be at most 2,147,483,648"),
+    (["bench", "run", "--url", "http://127.0.0.1:9", "-w", f"trace:{DATA}", "--vocab-size",
+      str(10 ** 20)], "vocab-size must be in 2..2,147,483,648"),
+    (["bench", "run", "--url", "http://127.0.0.1:9", "--request-length", str(10 ** 12)],
+     "the last round's prompt would hold"),
+    (["bench", "run", "--url", "http://127.0.0.1:9", "--num-rounds", str(10 ** 9)],
+     "num-rounds must be at most 65,536"),
+])
+def test_bench_commands_refuse_out_of_range_values(args, msg):
+    """Before: --cp 100000 was killed by the OOM killer in 60 s, --threads 100000 crashed the
+    process (SIGSEGV), --request-length 1e12 a MemoryError traceback, the others 'internal
+    error' (exit 1). Now each is a usage error (exit 2) naming the range."""
+    r = runner.invoke(app, args)
+    assert r.exit_code == 2, r.output
+    assert msg in r.stderr and "Traceback" not in r.output, r.stderr

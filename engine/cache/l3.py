@@ -247,7 +247,8 @@ class L3Tier:
             job.event.wait()
             return True
         spent = 0.0 if started is None else time.monotonic() - started
-        return job.event.wait(max(0.0, self.timeout - spent))
+        # a timer past threading's limit (1e308 s, say) raises OverflowError: clamp it
+        return job.event.wait(min(max(0.0, self.timeout - spent), threading.TIMEOUT_MAX))
 
     def take_done(self, job_filter: Callable[[Job], bool] | None = None) -> list[Job]:
         """Remove and return finished jobs (in submission order for each leading run)."""

@@ -20,11 +20,12 @@ import io
 import json
 import math
 import os
+from collections.abc import Sequence
 from typing import Iterable
 
 import numpy as np
 
-from engine.core.errors import InputError
+from engine.core.errors import InputError, UsageError
 from engine.loadgen.workloads import DEFAULT_VOCAB, RequestSpec, Workload
 
 TRACE_BLOCK = 512
@@ -32,6 +33,39 @@ MAX_LINE_BYTES = 4 << 20
 MAX_INPUT_LENGTH = 4_000_000
 MAX_REQUESTS = 1_000_000
 MAX_BLOCK_ID = 1 << 48
+MAX_TIMESTAMP_MS = float(1 << 53)      # integral milliseconds stay exact below this
+
+# What a trace may make the reader hold, whatever its file size (a gzip or Parquet file of a
+# few KB can describe gigabytes). Each can be raised through the environment variable named.
+MAX_TRACE_BLOCKS = 1 << 24
+"""Hash ids held for the whole trace (sum of ceil(input_length / 512)), and hash ids a columnar
+file may store (before lists longer than their input are cut): 16 Mi blocks, 8 Gi tokens."""
+MAX_TRACE_BYTES = 1 << 30
+"""Bytes of JSONL text read (after gzip) or of columns decoded from a Parquet/Arrow file."""
+LIMIT_ENV = {"MAX_TRACE_BLOCKS": "HICACHE_TRACE_MAX_BLOCKS",
+             "MAX_TRACE_BYTES": "HICACHE_TRACE_MAX_BYTES"}
+
+
+def trace_limit(name: str) -> int:
+    """The limit ``name`` (``MAX_TRACE_BLOCKS`` / ``MAX_TRACE_BYTES``): its environment
+    variable when set (an integer >= 1), else the default above."""
+    env = LIMIT_ENV[name]
+    raw = os.environ.get(env)
+    if raw is None or not raw.strip():
+        return int(globals()[name])
+    try:
+        val = int(raw.strip().replace("_", ""))
+    except ValueError:
+        val = 0
+    if val < 1:
+        raise UsageError(f"{env}={raw!r}: must be an integer >= 1")
+    return val
+
+
+def over_limit(where: str, what: str, name: str) -> InputError:
+    """The one-line error for a trace past a named limit, saying how to raise it."""
+    return InputError(f"{where}: {what} exceeds the limit {trace_limit(name):,} ({name}; "
+                      f"raise it with {LIMIT_ENV[name]}=N)")
 
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
@@ -136,8 +170,10 @@ def _parse(line: str, where: str) -> tuple[float, int, int, list[int]]:
                                 obj["hash_ids"])
     except KeyError as exc:
         raise InputError(f"{where}: missing field {exc.args[0]!r}") from None
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
-        raise InputError(f"{where}: timestamp must be a number >= 0, got {ts!r}")
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) \
+            or not 0 <= ts < MAX_TIMESTAMP_MS:
+        raise InputError(f"{where}: timestamp must be a number of ms in [0, 2**53), "
+                         f"got {str(ts)[:40]}")
     for key, v, lo in (("input_length", n_in, 1), ("output_length", n_out, 0)):
         if type(v) is not int or v < lo:
             raise InputError(f"{where}: {key} must be an integer >= {lo}, got {v!r}")
@@ -153,22 +189,51 @@ def _parse(line: str, where: str) -> tuple[float, int, int, list[int]]:
     return float(ts), n_in, n_out, ids[:need]
 
 
+class _Blocks:
+    """Block ids appended line by line into a growing int64 array (8 bytes a block, not a
+    Python list's 8 + the int objects)."""
+
+    def __init__(self) -> None:
+        self.buf = np.empty(1 << 12, dtype=np.int64)
+        self.n = 0
+
+    def extend(self, ids: list[int]) -> None:
+        end = self.n + len(ids)
+        if end > len(self.buf):
+            grown = np.empty(max(end, 2 * len(self.buf)), dtype=np.int64)
+            grown[:self.n] = self.buf[:self.n]
+            self.buf = grown
+        self.buf[self.n:end] = ids
+        self.n = end
+
+    def array(self) -> np.ndarray:
+        return self.buf[:self.n].copy()
+
+
 def _load_jsonl(path: str, cap: int) -> Trace:
     name = os.path.basename(path)
+    max_blocks, max_bytes = trace_limit("MAX_TRACE_BLOCKS"), trace_limit("MAX_TRACE_BYTES")
     ts: list[float] = []
     n_in: list[int] = []
     n_out: list[int] = []
     lens: list[int] = []
-    blocks: list[int] = []
+    blocks = _Blocks()
+    read = 0
     with _open_text(path) as f:
         for lineno, line in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), ""), 1):
             if len(line) > MAX_LINE_BYTES:
                 raise InputError(f"{name}:{lineno}: line longer than {MAX_LINE_BYTES} bytes")
+            read += len(line)
+            if read > max_bytes:
+                raise over_limit(f"{name}:{lineno}", "the text read", "MAX_TRACE_BYTES")
             if lineno > MAX_REQUESTS:    # blank lines count against the limit too
                 break
             if not line.strip():
                 continue
             t, i, o, ids = _parse(line, f"{name}:{lineno}")
+            if blocks.n + len(ids) > max_blocks:
+                raise over_limit(f"{name}:{lineno}", f"{blocks.n + len(ids):,} blocks",
+                                 "MAX_TRACE_BLOCKS")
             ts.append(t)
             n_in.append(i)
             n_out.append(o)
@@ -179,7 +244,7 @@ def _load_jsonl(path: str, cap: int) -> Trace:
     offsets = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(lens, out=offsets[1:])
     return Trace(name, np.array(ts, dtype=np.float64), np.array(n_in, dtype=np.int64),
-                 np.array(n_out, dtype=np.int64), offsets, np.array(blocks, dtype=np.int64))
+                 np.array(n_out, dtype=np.int64), offsets, blocks.array())
 
 
 def load_trace(path: str, limit: int | None = None) -> Trace:
@@ -215,6 +280,42 @@ def read_trace(path: str, limit: int | None = None) -> list[TraceRecord]:
     return load_trace(path, limit).records()
 
 
+class TraceTokens(Sequence):
+    """The prompt of one trace request, made when it is read: holds only the request's block
+    ids, so a workload of many long requests costs its blocks, not its tokens, until each
+    request is sent. Reads like a tuple of ints (``len``, index, slice → tuple, ``==``)."""
+
+    __slots__ = ("_ids", "_n", "_per_block", "_vocab")
+
+    def __init__(self, hash_ids: np.ndarray, n: int, per_block: int, vocab_size: int):
+        self._ids, self._n, self._per_block, self._vocab = hash_ids, n, per_block, vocab_size
+
+    def array(self) -> np.ndarray:
+        parts = [block_tokens(int(b), self._per_block, self._vocab) for b in self._ids]
+        return np.concatenate(parts)[:self._n] if parts else np.zeros(0, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self.array()[i].tolist())
+        return int(self.array()[i])
+
+    def __iter__(self):
+        return iter(self.array().tolist())
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and tuple(self) == tuple(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"TraceTokens({self._n} tokens of {len(self._ids)} blocks)"
+
+
 class _OneShot:
     """A trace request is a session of one turn with a fixed arrival time."""
 
@@ -240,19 +341,24 @@ def trace_workload(path: str, *, speedup: float = 1.0, limit: int | None = None,
                    block_tokens_n: int = TRACE_BLOCK, vocab_size: int = DEFAULT_VOCAB,
                    max_tokens: int | None = None) -> Workload:
     """Replay a trace: request ``i`` is due ``(timestamp_i - timestamp_0) / 1000 / speedup`` s
-    after the start, asks for ``output_length`` tokens (capped by ``max_tokens``)."""
+    after the start, asks for ``output_length`` tokens (capped by ``max_tokens``). Prompts are
+    :class:`TraceTokens`, made as each request is sent: memory stays at the trace's blocks."""
     if not (speedup > 0 and math.isfinite(speedup)):
         raise ValueError(f"speedup must be a finite number > 0, got {speedup}")
     if not 1 <= block_tokens_n <= TRACE_BLOCK:
         raise ValueError(f"block tokens must be in 1..{TRACE_BLOCK}, got {block_tokens_n}")
-    recs = sorted(read_trace(path, limit), key=lambda r: r.timestamp_ms)
-    t0 = recs[0].timestamp_ms
+    if not 2 <= vocab_size <= 1 << 31:
+        raise ValueError(f"vocab-size must be in 2..{1 << 31:,}, got {vocab_size:,}")
+    trace = load_trace(path, limit)
+    order = np.argsort(trace.timestamps_ms, kind="stable")
+    t0 = float(trace.timestamps_ms[order[0]])
     sessions = []
-    for i, rec in enumerate(recs):
-        out = rec.output_length if max_tokens is None else min(rec.output_length, max_tokens)
-        toks = request_tokens(rec, block_tokens_n, vocab_size)
-        spec = RequestSpec(i, 0, tuple(int(t) for t in toks), max(out, 1),
-                           arrival=(rec.timestamp_ms - t0) / 1000.0 / speedup)
+    for i, r in enumerate(order.tolist()):
+        n_out = int(trace.output_lengths[r])
+        out = n_out if max_tokens is None else min(n_out, max_tokens)
+        n = -(-int(trace.input_lengths[r]) * block_tokens_n // TRACE_BLOCK)
+        toks = TraceTokens(trace.hash_ids(r), n, block_tokens_n, vocab_size)
+        spec = RequestSpec(i, 0, toks, max(out, 1),  # type: ignore[arg-type]
+                           arrival=(float(trace.timestamps_ms[r]) - t0) / 1000.0 / speedup)
         sessions.append(_OneShot(spec))
     return Workload(f"trace:{os.path.basename(path)}", tuple(sessions), len(sessions))
-

@@ -18,12 +18,14 @@ from engine.core.errors import InputError
 from engine.loadgen.trace import (
     MAX_BLOCK_ID,
     MAX_INPUT_LENGTH,
+    MAX_TIMESTAMP_MS,
     TRACE_BLOCK,
     Trace,
+    over_limit,
+    trace_limit,
 )
 
 COLUMNS = ("timestamp", "input_length", "output_length", "hash_ids")
-MAX_COLUMNAR_BYTES = 4 << 30          # decoded size we accept from one file
 SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".feather": "arrow"}
 
 
@@ -32,24 +34,123 @@ def columnar_kind(path: str) -> str | None:
     return SUFFIXES.get(os.path.splitext(path)[1].lower())
 
 
+def _parquet_plan(pf, name: str, cap: int) -> list[int]:
+    """The row groups holding the first ``cap`` rows, after checking from the footer alone
+    (before any page is decompressed) that their decoded columns and stored hash ids fit the
+    limits: a few KB of run-length or dictionary encoded pages can decode to gigabytes."""
+    meta = pf.metadata
+    max_blocks, max_bytes = trace_limit("MAX_TRACE_BLOCKS"), trace_limit("MAX_TRACE_BYTES")
+    leaf = [i for i in range(meta.num_columns)
+            if meta.schema.column(i).path.split(".")[0] == "hash_ids"]
+    groups: list[int] = []
+    rows = ids = size = 0
+    for g in range(meta.num_row_groups):
+        if rows >= cap:
+            break
+        rg = meta.row_group(g)
+        groups.append(g)
+        rows += rg.num_rows
+        ids += sum(rg.column(i).num_values for i in leaf)
+        size += sum(rg.column(i).total_uncompressed_size for i in range(rg.num_columns)
+                    if meta.schema.column(i).path.split(".")[0] in COLUMNS)
+        if ids > max_blocks:
+            raise over_limit(name, f"{ids:,} stored hash ids", "MAX_TRACE_BLOCKS")
+        if size > max_bytes:
+            raise over_limit(name, f"{size:,} bytes of decoded columns", "MAX_TRACE_BYTES")
+    return groups
+
+
+def _u32(b: bytes, at: int) -> int:
+    return int.from_bytes(b[at:at + 4], "little")
+
+
+def _fb_field(b: bytes, table: int, i: int) -> int | None:
+    """Where field ``i`` of the flatbuffer table at ``table`` lies (None: absent)."""
+    vt = table - int.from_bytes(b[table:table + 4], "little", signed=True)
+    if not 0 <= vt < len(b) - 4:
+        raise ValueError("bad vtable")
+    at = 4 + 2 * i
+    if at >= int.from_bytes(b[vt:vt + 2], "little"):
+        return None
+    off = int.from_bytes(b[vt + at:vt + at + 2], "little")
+    return table + off if off else None
+
+
+def _ipc_batch_bytes(meta: bytes, body) -> tuple[int, int]:
+    """(rows, decoded bytes) of one Arrow IPC record batch, from its message metadata (the
+    flatbuffer ``Message`` → ``RecordBatch``) and the 8-byte length that leads each compressed
+    buffer, without decoding it."""
+    msg = _u32(meta, 0)
+    hdr = _fb_field(meta, msg, 2)
+    if hdr is None:
+        raise ValueError("no header")
+    rb = hdr + _u32(meta, hdr)
+    length = _fb_field(meta, rb, 0)
+    rows = 0 if length is None else int.from_bytes(meta[length:length + 8], "little",
+                                                   signed=True)
+    bufs = _fb_field(meta, rb, 2)
+    compressed = _fb_field(meta, rb, 3) is not None
+    total = 0
+    if bufs is not None:
+        vec = bufs + _u32(meta, bufs)
+        for k in range(_u32(meta, vec)):
+            at = vec + 4 + 16 * k
+            off = int.from_bytes(meta[at:at + 8], "little", signed=True)
+            n = int.from_bytes(meta[at + 8:at + 16], "little", signed=True)
+            if off < 0 or n < 0 or off + n > body.size:
+                raise ValueError("buffer outside the body")
+            if compressed and n >= 8:
+                raw = int.from_bytes(body.slice(off, 8).to_pybytes(), "little", signed=True)
+                n = n - 8 if raw == -1 else raw
+            total += max(n, 0)
+    return rows, total
+
+
+def _ipc_plan(path: str, name: str, cap: int) -> None:
+    """Check the decoded size of the record batches holding the first ``cap`` rows of an
+    Arrow IPC file before any is decompressed (a compressed batch of a few KB can decode to
+    gigabytes)."""
+    import pyarrow as pa
+
+    max_bytes = trace_limit("MAX_TRACE_BYTES")
+    buf = pa.memory_map(path).read_buffer()
+    reader = pa.ipc.MessageReader.open_stream(pa.BufferReader(buf.slice(8)))
+    rows = total = 0
+    try:
+        while rows < cap:
+            try:
+                m = reader.read_next_message()
+            except StopIteration:
+                break
+            if m.type != "record batch":
+                continue
+            n, size = _ipc_batch_bytes(m.metadata.to_pybytes(), m.body)
+            rows += n
+            total += size
+            if total > max_bytes:
+                raise over_limit(name, f"{total:,} bytes of decoded columns", "MAX_TRACE_BYTES")
+    except (ValueError, IndexError) as exc:
+        if isinstance(exc, InputError):
+            raise
+        raise InputError(f"{name}: not an Arrow IPC file this reader accepts ({exc})") from None
+
+
 def _batches(path: str, cap: int, parquet: bool):
     """Record batches of the file's first ``cap`` rows, after a size check."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     name = os.path.basename(path)
+    max_blocks, max_bytes = trace_limit("MAX_TRACE_BLOCKS"), trace_limit("MAX_TRACE_BYTES")
     if parquet:
         pf = pq.ParquetFile(path)
-        meta = pf.metadata
-        size = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
-        if size > MAX_COLUMNAR_BYTES:
-            raise InputError(f"{name}: {size:,} bytes of columns exceed the limit "
-                             f"{MAX_COLUMNAR_BYTES:,}")
         missing = [c for c in COLUMNS if c not in pf.schema_arrow.names]
         if missing:
             raise InputError(f"{name}: missing column {missing[0]!r}")
-        batches = pf.iter_batches(batch_size=65_536, columns=list(COLUMNS))
+        groups = _parquet_plan(pf, name, cap)
+        batches = pf.iter_batches(batch_size=65_536, columns=list(COLUMNS), row_groups=groups)
     else:
+        _ipc_plan(path, name, cap)
         reader = pa.ipc.open_file(pa.memory_map(path))
         missing = [c for c in COLUMNS if c not in reader.schema.names]
         if missing:
@@ -58,12 +159,20 @@ def _batches(path: str, cap: int, parquet: bool):
                    for i in range(reader.num_record_batches))
     rows = 0
     nbytes = 0
+    ids = 0
     for batch in batches:
         nbytes += batch.nbytes
-        if nbytes > MAX_COLUMNAR_BYTES:
-            raise InputError(f"{name}: columns exceed the limit of {MAX_COLUMNAR_BYTES:,} bytes")
-        yield batch.slice(0, cap - rows)
-        rows += min(batch.num_rows, cap - rows)
+        if nbytes > max_bytes:
+            raise over_limit(name, f"{nbytes:,} bytes of decoded columns", "MAX_TRACE_BYTES")
+        batch = batch.slice(0, cap - rows)
+        col = batch.column("hash_ids")
+        if hasattr(col, "offsets") and len(col):
+            offs = col.offsets
+            ids += int(offs[len(offs) - 1].as_py()) - int(offs[0].as_py())
+            if ids > max_blocks:
+                raise over_limit(name, f"{ids:,} stored hash ids", "MAX_TRACE_BLOCKS")
+        yield batch
+        rows += batch.num_rows
         if rows >= cap:
             return
 
@@ -106,7 +215,8 @@ def read_columnar(path: str, cap: int, parquet: bool) -> Trace:
         raise InputError(f"{name}: column 'hash_ids' must be a list of integers, not {ids.type}")
     if ids.null_count or ids.values.null_count:
         raise InputError(f"{name}: column 'hash_ids' has empty (null) values")
-    _first_bad(name, ~np.isfinite(ts) | (ts < 0), "timestamp must be a number >= 0")
+    _first_bad(name, ~np.isfinite(ts) | (ts < 0) | (ts >= MAX_TIMESTAMP_MS),
+               "timestamp must be a number of ms in [0, 2**53)")
     _first_bad(name, n_in < 1, "input_length must be an integer >= 1")
     _first_bad(name, n_in > MAX_INPUT_LENGTH, f"input_length exceeds the limit {MAX_INPUT_LENGTH}")
     _first_bad(name, n_out < 0, "output_length must be an integer >= 0")
@@ -116,6 +226,9 @@ def read_columnar(path: str, cap: int, parquet: bool) -> Trace:
         offsets = offsets - offsets[0]
     lens = np.diff(offsets)
     need = -(-n_in // TRACE_BLOCK)
+    total = int(need.sum())
+    if total > trace_limit("MAX_TRACE_BLOCKS"):
+        raise over_limit(name, f"{total:,} blocks", "MAX_TRACE_BLOCKS")
     _first_bad(name, lens < need, f"hash_ids cannot cover input_length (blocks of {TRACE_BLOCK})")
     bad = (values < 0) | (values >= MAX_BLOCK_ID)
     if bad.any():

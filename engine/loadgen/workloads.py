@@ -59,6 +59,14 @@ class Workload:
     """Requests the workload issues if nothing fails and no duration cuts it short."""
 
 
+MAX_CLIENTS = 1 << 16
+MAX_ROUNDS = 1 << 16
+MAX_VOCAB = 1 << 31
+MAX_PROMPT_TOKENS = 1 << 22
+"""Bounds of a generated workload (docs/reliability.md, "Named limits"): prompts are made as
+Python tuples, so their length is what a client's memory pays for."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ConversationConfig:
     """Shape of a multi-turn workload (both ``multiturn`` and ``agentic``)."""
@@ -79,6 +87,15 @@ class ConversationConfig:
         for name in ("num_clients", "num_rounds", "request_length", "vocab_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name, hi in (("num_clients", MAX_CLIENTS), ("num_rounds", MAX_ROUNDS),
+                         ("vocab_size", MAX_VOCAB)):
+            if getattr(self, name) > hi:
+                raise ValueError(f"{name.replace('_', '-')} must be at most {hi:,}, got "
+                                 f"{getattr(self, name):,}")
+        if self.max_prompt_tokens > MAX_PROMPT_TOKENS:
+            raise ValueError(f"the last round's prompt would hold {self.max_prompt_tokens:,} "
+                             f"tokens; at most {MAX_PROMPT_TOKENS:,} (lower the lengths or "
+                             f"the rounds)")
         for name in ("output_length", "system_length"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")

@@ -147,6 +147,10 @@ def conversation_config(cfg: MainJobConfig) -> ConversationConfig | None:
     return ConversationConfig(**shape, seed=cfg.seed)
 
 
+MAX_THREADS = 1024          # torch's thread pool crashes (SIGSEGV) when asked for 100,000
+MAX_SEED = (1 << 63) - 1
+
+
 def check_config(cfg: MainJobConfig) -> None:
     """Usage errors (``ValueError``) before anything starts: the device, the workload, and a last
     turn that could never fit in L1 (the server would refuse it with HTTP 400 in both runs)."""
@@ -156,8 +160,10 @@ def check_config(cfg: MainJobConfig) -> None:
     resolve_device(cfg.device)
     if cfg.concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {cfg.concurrency}")
-    if cfg.threads is not None and cfg.threads < 1:
-        raise ValueError(f"threads must be >= 1, got {cfg.threads}")
+    if cfg.threads is not None and not 1 <= cfg.threads <= MAX_THREADS:
+        raise ValueError(f"--threads must be 1..{MAX_THREADS}, got {cfg.threads:,}")
+    if not 0 <= cfg.seed <= MAX_SEED:
+        raise ValueError(f"--seed must be an integer in [0, 2**63 - 1], got {cfg.seed}")
     check_options(cfg)
     page = ServerConfig.page_size
     if cfg.is_trace:

@@ -132,6 +132,9 @@ def replay_cmd(
                 fmt, show)
 
 
+MAX_REPLAY_CP = 64
+
+
 def _check_tiers(page_size: int, l1: int, l2: int, l3: int, cp: int, cp_kv: str,
                  sweep: bool) -> None:
     from engine.sim.replay import CP_KV
@@ -142,6 +145,9 @@ def _check_tiers(page_size: int, l1: int, l2: int, l3: int, cp: int, cp_kv: str,
         raise UsageError(f"--l1-tokens {l1} holds no page of {page_size} tokens")
     if cp_kv not in CP_KV:
         raise UsageError(f"--cp-kv must be one of {list(CP_KV)}, got {cp_kv!r}")
+    if cp > MAX_REPLAY_CP:      # the budgets are per rank: --cp multiplies the metadata
+        raise UsageError(f"--cp must be 1..{MAX_REPLAY_CP} (the simulated ranks of one "
+                         f"replica), got {cp:,}")
     if cp > 1 and sweep:
         raise UsageError("--cp does not combine with --sweep")
     if cp > 1 and cp_kv == "sharded" and l3:

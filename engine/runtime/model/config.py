@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
+import math
 import os
 from typing import Any
 
@@ -169,60 +169,132 @@ def preset(name: str) -> ModelConfig:
 
 _HF_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
+# Ranges a config.json value must fall in (docs/reliability.md, "Named limits"). Past any
+# Llama-style checkpoint this server could load, and small enough that the tables sized by them
+# (RoPE: max_position_embeddings rows) fit in memory.
+MAX_LAYERS = 1024
+MAX_HIDDEN = 1 << 16
+MAX_HEADS = 1024
+MAX_HEAD_DIM = 1024
+MAX_INTERMEDIATE = 1 << 18
+MAX_VOCAB = 1 << 22
+MAX_POSITION_EMBEDDINGS = 1 << 20
+_REQUIRED = object()
+
+
+class _Fields:
+    """Typed reads of one parsed config.json: an integer field must be a JSON integer (not a
+    string, a float or a bool) in its range, a number finite and in range; anything else is an
+    :class:`InputError` naming the file and the field."""
+
+    def __init__(self, path: str, c: dict):
+        self.path, self.c = path, c
+
+    def _get(self, key: str, default: Any) -> Any:
+        v = self.c.get(key, default)
+        if v is _REQUIRED:
+            raise InputError(f"{self.path}: missing field {key!r}")
+        return v
+
+    def bad(self, key: str, what: str, v: Any) -> InputError:
+        return InputError(f"{self.path}: {key} must be {what}, got {_short(v)}")
+
+    def int(self, key: str, lo: int, hi: int, default: Any = _REQUIRED, v: Any = _REQUIRED) -> int:
+        v = self._get(key, default) if v is _REQUIRED else v
+        if type(v) is not int or not lo <= v <= hi:
+            raise self.bad(key, f"an integer in [{lo}, {hi:,}]", v)
+        return v
+
+    def num(self, key: str, lo: float, hi: float, default: Any = _REQUIRED,
+            v: Any = _REQUIRED) -> float:
+        v = self._get(key, default) if v is _REQUIRED else v
+        if type(v) not in (int, float) or not math.isfinite(v) or not lo < v <= hi:
+            raise self.bad(key, f"a number in ({lo:g}, {hi:g}]", v)
+        return float(v)
+
+    def bool(self, key: str, default: bool) -> bool:
+        v = self._get(key, default)
+        if type(v) is not bool:
+            raise self.bad(key, "true or false", v)
+        return v
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
 
 def from_hf_config(path: str, dtype: str | None = None) -> ModelConfig:
-    """A :class:`ModelConfig` from a Hugging Face Llama ``config.json`` (file or its directory)."""
+    """A :class:`ModelConfig` from a Hugging Face Llama ``config.json`` (file or its directory).
+    Untrusted input: bounded JSON (size, depth, numbers), every field typed and in range."""
+    from formats import boundedjson
+
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     if os.path.getsize(path) > _MAX_CONFIG_BYTES:
         raise InputError(f"{path}: larger than {_MAX_CONFIG_BYTES} bytes, not a model config")
+    with open(path, "rb") as f:
+        raw = f.read(_MAX_CONFIG_BYTES + 1)
     try:
-        with open(path, encoding="utf-8") as f:
-            c = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        c = boundedjson.loads(raw)
+    except boundedjson.JSONLimitError as exc:
         raise InputError(f"{path}: not a JSON config ({exc})") from None
     if not isinstance(c, dict):
         raise InputError(f"{path}: expected a JSON object")
     mt = c.get("model_type", "llama")
     if mt not in ("llama", "mistral", "qwen2"):
-        raise InputError(f"{path}: model_type {mt!r} is not supported (Llama-style only)")
+        raise InputError(f"{path}: model_type {_short(mt)} is not supported (Llama-style only)")
+    f = _Fields(path, c)
+    heads = f.int("num_attention_heads", 1, MAX_HEADS)
+    hidden = f.int("hidden_size", 1, MAX_HIDDEN)
+    kv_heads = f.int("num_key_value_heads", 1, heads, heads)
+    head_dim = c.get("head_dim")
+    head_dim = f.int("head_dim", 2, MAX_HEAD_DIM, v=hidden // heads if head_dim is None
+                     else head_dim)
+    vocab = f.int("vocab_size", 1, MAX_VOCAB)
+    rope_llama3 = None
+    linear = 1.0
+    rs = c.get("rope_scaling")
+    if rs is not None and not isinstance(rs, dict):
+        raise f.bad("rope_scaling", "an object or null", rs)
+    if rs:
+        kind = rs.get("rope_type", rs.get("type"))
+        r = _Fields(f"{path}: rope_scaling", rs)
+        if kind == "llama3":
+            lo = r.num("low_freq_factor", 0, 1e6, 1.0)
+            hi = r.num("high_freq_factor", 0, 1e6, 4.0)
+            if hi <= lo:
+                raise r.bad("high_freq_factor", f"> low_freq_factor ({lo:g})", hi)
+            rope_llama3 = (r.num("factor", 0, 1e6), lo, hi,
+                           r.int("original_max_position_embeddings", 1,
+                                 MAX_POSITION_EMBEDDINGS, 8192))
+        elif kind == "linear":
+            linear = r.num("factor", 0, 1e6)
+        elif kind not in (None, "default"):
+            raise InputError(f"{path}: rope_scaling type {_short(kind)} is not supported")
+    if c.get("attention_bias") or c.get("mlp_bias") or mt == "qwen2":
+        raise InputError(f"{path}: biased projections are not supported")
+    eos = c.get("eos_token_id")
+    eos_list = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if len(eos_list) > 64:
+        raise f.bad("eos_token_id", "at most 64 ids", eos)
+    eos_ids = tuple(f.int("eos_token_id", 0, vocab - 1, v=e) for e in eos_list)
+    bos = c.get("bos_token_id")
+    td = c.get("torch_dtype", "float32")
+    torch_name = dtype or (_HF_DTYPES.get(td, "float32") if isinstance(td, str) else "float32")
     try:
-        heads = int(c["num_attention_heads"])
-        hidden = int(c["hidden_size"])
-        rope_llama3 = None
-        linear = 1.0
-        rs = c.get("rope_scaling")
-        if rs:
-            kind = rs.get("rope_type", rs.get("type"))
-            if kind == "llama3":
-                rope_llama3 = (float(rs["factor"]), float(rs.get("low_freq_factor", 1.0)),
-                               float(rs.get("high_freq_factor", 4.0)),
-                               int(rs.get("original_max_position_embeddings", 8192)))
-            elif kind == "linear":
-                linear = float(rs["factor"])
-            elif kind not in (None, "default"):
-                raise InputError(f"{path}: rope_scaling type {kind!r} is not supported")
-        if c.get("attention_bias") or c.get("mlp_bias") or mt == "qwen2":
-            raise InputError(f"{path}: biased projections are not supported")
-        eos = c.get("eos_token_id")
-        eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else \
-            ((int(eos),) if eos is not None else ())
-        bos = c.get("bos_token_id")
-        torch_name = dtype or _HF_DTYPES.get(str(c.get("torch_dtype", "float32")), "float32")
         return ModelConfig(
             name=os.path.basename(os.path.dirname(os.path.abspath(path))) or "hf",
-            num_layers=int(c["num_hidden_layers"]), hidden=hidden, num_heads=heads,
-            num_kv_heads=int(c.get("num_key_value_heads", heads)),
-            head_dim=int(c.get("head_dim") or hidden // heads),
-            intermediate=int(c["intermediate_size"]), vocab_size=int(c["vocab_size"]),
-            max_context=int(c.get("max_position_embeddings", 4096)),
-            rope_theta=float(c.get("rope_theta", 10000.0)),
-            rms_eps=float(c.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+            num_layers=f.int("num_hidden_layers", 1, MAX_LAYERS), hidden=hidden,
+            num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+            intermediate=f.int("intermediate_size", 1, MAX_INTERMEDIATE), vocab_size=vocab,
+            max_context=f.int("max_position_embeddings", 1, MAX_POSITION_EMBEDDINGS, 4096),
+            rope_theta=f.num("rope_theta", 0, 1e12, 10000.0),
+            rms_eps=f.num("rms_norm_eps", 0, 1.0, 1e-6),
+            tie_embeddings=f.bool("tie_word_embeddings", False),
             dtype=torch_name, rope_llama3=rope_llama3, rope_linear_factor=linear,
-            bos_id=None if bos is None else int(bos), eos_ids=eos_ids)
-    except KeyError as exc:
-        raise InputError(f"{path}: missing field {exc.args[0]!r}") from None
+            bos_id=None if bos is None else f.int("bos_token_id", 0, vocab - 1, v=bos),
+            eos_ids=eos_ids)
     except (TypeError, ValueError) as exc:
         raise InputError(f"{path}: bad field value ({exc})") from None
 

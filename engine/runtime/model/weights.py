@@ -95,29 +95,92 @@ def _hf_names(i: int) -> dict[str, str]:
             "ln2": p + "post_attention_layernorm.weight"}
 
 
+MAX_SAFETENSORS_HEADER = 100 << 20
+"""Bytes of a safetensors file's JSON header we read (the format's own readers stop there)."""
+_ST_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+              "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def check_safetensors(f: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Each tensor's (dtype, shape) from a safetensors file, after checking its header from
+    the bytes alone: an 8-byte length no larger than the file (or MAX_SAFETENSORS_HEADER),
+    bounded JSON, known dtypes, and data ranges that lie inside the file and match the shapes.
+    :class:`InputError` naming the file otherwise, before the reader maps anything."""
+    import math
+    import struct
+
+    from formats import boundedjson
+
+    size = os.path.getsize(f)
+    if size < 8:
+        raise InputError(f"{f}: {size} bytes, too short for a safetensors file")
+    with open(f, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        if n > min(size - 8, MAX_SAFETENSORS_HEADER):
+            raise InputError(f"{f}: not a safetensors file (its header claims {n:,} bytes; the "
+                             f"file holds {size - 8:,} after the length, and at most "
+                             f"{MAX_SAFETENSORS_HEADER:,} are read)")
+        raw = fh.read(n)
+    try:
+        header = boundedjson.loads(raw)
+    except boundedjson.JSONLimitError as exc:
+        raise InputError(f"{f}: not a safetensors file (header: {exc})") from None
+    if not isinstance(header, dict):
+        raise InputError(f"{f}: not a safetensors file (the header is not a JSON object)")
+    data = size - 8 - n
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        ok = (isinstance(t, dict) and t.get("dtype") in _ST_DTYPES
+              and isinstance(t.get("shape"), list)
+              and all(type(d) is int and 0 <= d < 1 << 40 for d in t["shape"])
+              and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2
+              and all(type(o) is int for o in t["data_offsets"]))
+        if ok:
+            lo, hi = t["data_offsets"]
+            ok = (0 <= lo <= hi <= data
+                  and hi - lo == math.prod(t["shape"]) * _ST_DTYPES[t["dtype"]])
+        if not ok:
+            raise InputError(f"{f}: tensor {name[:60]!r}: bad header entry (dtype, shape or "
+                             f"data offsets outside the file's {data:,} data bytes)")
+        out[name] = (t["dtype"], tuple(t["shape"]))
+    return out
+
+
 def load_hf(path: str, cfg: ModelConfig) -> ModelWeights:
-    """Read a local Llama checkpoint directory (``*.safetensors``); no download."""
-    from safetensors import safe_open
+    """Read a local Llama checkpoint directory (``*.safetensors``); no download. Every file's
+    header is checked first (:func:`check_safetensors`), and every tensor's shape against the
+    config before it is read."""
+    from safetensors import SafetensorError, safe_open
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise InputError(f"{path}: no *.safetensors files")
     where: dict[str, str] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for f in files:
-        with safe_open(f, framework="pt") as sf:
-            for k in sf.keys():
-                where[k] = f
+        for k, (_, shape) in check_safetensors(f).items():
+            where[k] = f
+            shapes[k] = shape
     handles: dict[str, object] = {}
 
     def get(name: str) -> torch.Tensor:
         if name not in where:
             raise InputError(f"{path}: checkpoint lacks tensor {name!r}")
         f = where[name]
-        if f not in handles:
-            handles[f] = safe_open(f, framework="pt")
-        return handles[f].get_tensor(name).float()  # type: ignore[attr-defined]
+        try:
+            if f not in handles:
+                handles[f] = safe_open(f, framework="pt")
+            return handles[f].get_tensor(name).float()  # type: ignore[attr-defined]
+        except (SafetensorError, RuntimeError, OSError) as exc:
+            raise InputError(f"{f}: cannot read tensor {name!r} ({str(exc)[:120]})") from None
 
-    def expect(t: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
+    def take(key: str, shape: tuple[int, ...], name: str) -> torch.Tensor:
+        """The tensor ``key``, its header's shape checked against the config before reading."""
+        if key in shapes and shapes[key] != shape:
+            raise InputError(f"{path}: {name} has shape {shapes[key]}, config implies {shape}")
+        t = get(key)
         if tuple(t.shape) != shape:
             raise InputError(f"{path}: {name} has shape {tuple(t.shape)}, config implies {shape}")
         return t
@@ -127,24 +190,24 @@ def load_hf(path: str, cfg: ModelConfig) -> ModelWeights:
     layers = []
     for i in range(cfg.num_layers):
         n = _hf_names(i)
-        q = expect(get(n["q"]), (Hq * D, H), n["q"])
-        k = expect(get(n["k"]), (Hkv * D, H), n["k"])
-        v = expect(get(n["v"]), (Hkv * D, H), n["v"])
+        q = take(n["q"], (Hq * D, H), n["q"])
+        k = take(n["k"], (Hkv * D, H), n["k"])
+        v = take(n["v"], (Hkv * D, H), n["v"])
         layers.append(LayerWeights(
-            attn_norm=expect(get(n["ln1"]), (H,), n["ln1"]),
-            mlp_norm=expect(get(n["ln2"]), (H,), n["ln2"]),
+            attn_norm=take(n["ln1"], (H,), n["ln1"]),
+            mlp_norm=take(n["ln2"], (H,), n["ln2"]),
             wqkv=torch.cat([q, k, v]),
-            wo=expect(get(n["o"]), (H, Hq * D), n["o"]),
-            w_gate_up=torch.cat([expect(get(n["gate"]), (I, H), n["gate"]),
-                                 expect(get(n["up"]), (I, H), n["up"])]),
-            w_down=expect(get(n["down"]), (H, I), n["down"])))
-    embed = expect(get("model.embed_tokens.weight"), (cfg.vocab_size, H), "embed_tokens")
+            wo=take(n["o"], (H, Hq * D), n["o"]),
+            w_gate_up=torch.cat([take(n["gate"], (I, H), n["gate"]),
+                                 take(n["up"], (I, H), n["up"])]),
+            w_down=take(n["down"], (H, I), n["down"])))
+    embed = take("model.embed_tokens.weight", (cfg.vocab_size, H), "embed_tokens")
     if cfg.tie_embeddings or "lm_head.weight" not in where:
         head = embed
     else:
-        head = expect(get("lm_head.weight"), (cfg.vocab_size, H), "lm_head")
+        head = take("lm_head.weight", (cfg.vocab_size, H), "lm_head")
     return ModelWeights(embed=embed, layers=layers,
-                        final_norm=expect(get("model.norm.weight"), (H,), "model.norm"),
+                        final_norm=take("model.norm.weight", (H,), "model.norm"),
                         lm_head=head)
 
 

@@ -15,6 +15,7 @@ import logging
 import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from aiohttp import web
@@ -65,17 +66,76 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return _error(500, "internal server error (see the server log)", "server_error")
 
 
-async def _json_body(request: web.Request) -> Any:
-    """The body as JSON, bounded (:mod:`formats.boundedjson`: nesting depth, integer size,
-    finite numbers, valid Unicode): anything else is a 400 ``invalid_request_error``."""
-    try:
-        raw = await request.read()
-    except ConnectionResetError:        # the client left mid-upload (aiohttp: connection lost)
-        raise ClientGone() from None
+BIG_BODY_BYTES = 256 << 10
+"""A body at least this large (or of unknown length) is read under one of BODY_SLOTS and
+parsed on a worker thread, never on the event loop."""
+BODY_SLOTS = 2
+"""Large bodies read and parsed at once: memory stays at a few times MAX_BODY_BYTES however
+many clients send them; the rest wait their turn (the loop keeps answering meanwhile)."""
+MAX_TOKEN_CHARS = 64
+"""Prompt text longer than ``max_context`` x this many characters cannot fit the context (no
+token spans more) and is refused before it is tokenized."""
+_SLOTS_KEY = web.AppKey("body_slots", asyncio.Semaphore)
+_parsers = ThreadPoolExecutor(max_workers=BODY_SLOTS, thread_name_prefix="hicache-body")
+
+
+def _loads(raw: bytes) -> Any:
     try:
         return boundedjson.loads(raw)
     except boundedjson.JSONLimitError as exc:
         raise InputError(f"malformed JSON body: {exc}") from None
+
+
+async def _read(request: web.Request) -> bytes:
+    try:
+        return await request.read()
+    except ConnectionResetError:        # the client left mid-upload (aiohttp: connection lost)
+        raise ClientGone() from None
+
+
+async def _json_body(request: web.Request) -> Any:
+    """The body as JSON, bounded (:mod:`formats.boundedjson`: nesting depth, integer size,
+    finite numbers, valid Unicode): anything else is a 400 ``invalid_request_error``."""
+    return await _parsed_body(request, lambda body: body)
+
+
+class _BoundedTokenizer:
+    """The engine's tokenizer, refusing text too long for the model's context before
+    encoding it (a 60 MiB prompt would otherwise become tens of millions of token ids)."""
+
+    def __init__(self, tok: Any, max_context: int):
+        self._tok, self._max_chars = tok, max_context * MAX_TOKEN_CHARS
+        self._max_context = max_context
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tok, name)
+
+    def encode(self, text: str, *args: Any, **kw: Any) -> list[int]:
+        if len(text) > self._max_chars:
+            raise InputError(f"the prompt text of {len(text):,} characters cannot fit the "
+                             f"model's context of {self._max_context:,} tokens (at most "
+                             f"{self._max_chars:,} characters are tokenized)")
+        return self._tok.encode(text, *args, **kw)
+
+
+async def _parsed_body(request: web.Request, parse: Callable[[Any], Any]) -> Any:
+    """``parse(body)`` of the JSON body. The declared length is checked before anything is
+    read (413); a large body is read under a slot and parsed, with ``parse``, on a worker
+    thread, so the event loop never stalls on one and memory stays bounded."""
+    n = request.content_length
+    if n is not None and n > MAX_BODY_BYTES:
+        raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES, actual_size=n)
+    if n is not None and n < BIG_BODY_BYTES:
+        return parse(_loads(await _read(request)))
+    async with request.app[_SLOTS_KEY]:
+        raw = await _read(request)
+        return await asyncio.get_running_loop().run_in_executor(
+            _parsers, lambda: parse(_loads(raw)))
+
+
+def _tokenizer(engine: Engine) -> Any:
+    tok = engine.tokenizer
+    return None if tok is None else _BoundedTokenizer(tok, engine.model.cfg.max_context)
 
 
 async def _sse(request: web.Request) -> web.StreamResponse:
@@ -127,7 +187,8 @@ async def _respond(request: web.Request, batch: Batch, stream: bool,
 # -- handlers ------------------------------------------------------------------------------
 async def generate(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
-    parsed = parse_generate(await _json_body(request), engine.tokenizer)
+    tok = _tokenizer(engine)
+    parsed = await _parsed_body(request, lambda body: parse_generate(body, tok))
     batch = Batch(engine, parsed)
 
     def whole() -> Any:
@@ -169,7 +230,7 @@ def _storage_backend(engine: Engine) -> str | None:
 async def completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     tok = engine.tokenizer
-    parsed = parse_completions(await _json_body(request), tok)
+    parsed = await _parsed_body(request, lambda body: parse_completions(body, _tokenizer(engine)))
     _check_model(engine, parsed.model)
     batch = Batch(engine, parsed)
     head = {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion",
@@ -220,7 +281,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     tok = engine.tokenizer
-    parsed = parse_chat(await _json_body(request), tok)
+    parsed = await _parsed_body(request, lambda body: parse_chat(body, _tokenizer(engine)))
     _check_model(engine, parsed.model)
     batch = Batch(engine, parsed)
     cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
@@ -340,6 +401,7 @@ async def dump_tree(request: web.Request) -> web.Response:
 def make_app(engine: Engine) -> web.Application:
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors])
     app[ENGINE_KEY] = engine
+    app[_SLOTS_KEY] = asyncio.Semaphore(BODY_SLOTS)
     app.router.add_post("/generate", generate)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)

@@ -14,6 +14,23 @@ from engine.runtime.scheduler import SchedulerConfig
 MEMORY_STORE_CP = ("--cp with the memory L3 backend: a memory store lives in one process and "
                    "each CP rank is one; use file or mooncake")
 MEMORY_SHARE = 0.9      # of the memory available at start, the KV pools may take at most this
+# Ranges of the numeric options that no memory check covers (docs/reliability.md, "Named
+# limits"): a value outside is a usage error naming the range, never a timer or a size
+# computation that overflows later.
+MAX_TIMEOUT_S = 7 * 24 * 3600          # every timeout option: a week at most
+MIN_COLLECTIVE_TIMEOUT_S = 1.0         # also the start-up rendezvous limit of the ranks
+MAX_HICACHE_RATIO = 1e6                # L2 as a multiple of L1
+MAX_HICACHE_SIZE_GB = 1e9              # L2 in GB (an exabyte)
+MAX_SEED = (1 << 63) - 1
+
+
+def _in_range(opt: str, v: Any, lo: float, hi: float, lo_open: bool = False) -> None:
+    """``ValueError`` naming ``opt`` and its range unless ``v`` is a finite number in it."""
+    ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+          and (v > lo if lo_open else v >= lo) and v <= hi)
+    if not ok:
+        low = f"> {lo:g}" if lo_open else f">= {lo:g}"
+        raise ValueError(f"{opt} must be a finite number {low} and <= {hi:g}, got {v}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,12 +125,23 @@ class ServerConfig:
             raise ValueError(f"--l1-tokens must hold at least one page ({self.page_size})")
         if self.l2_tokens is not None and self.l2_tokens < 0:
             raise ValueError("--l2-tokens must be >= 0")
-        for opt, v in (("--hicache-ratio", self.hicache_ratio),
-                       ("--hicache-size", self.hicache_size_gb),
-                       ("--hicache-storage-prefetch-timeout",
-                        self.hicache_storage_prefetch_timeout)):
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-                raise ValueError(f"{opt} must be a finite number >= 0, got {v}")
+        for opt, v, hi in (("--hicache-ratio", self.hicache_ratio, MAX_HICACHE_RATIO),
+                           ("--hicache-size", self.hicache_size_gb, MAX_HICACHE_SIZE_GB),
+                           ("--hicache-storage-prefetch-timeout",
+                            self.hicache_storage_prefetch_timeout, MAX_TIMEOUT_S)):
+            _in_range(opt, v, 0, hi)
+        _in_range("--pd-transfer-timeout", self.pd_transfer_timeout, 0, MAX_TIMEOUT_S,
+                  lo_open=True)
+        if self.seed is not None and not (type(self.seed) is int and 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"--seed must be an integer in [0, 2**63 - 1], got {self.seed}")
+        if self.hicache_storage_size_limit is not None:
+            from engine.storage.config import parse_size
+
+            try:
+                parse_size(self.hicache_storage_size_limit)
+            except ValueError as exc:
+                raise ValueError(f"--hicache-storage-size-limit: {exc}; give a size >= 0 "
+                                 f"such as 20GiB (0: no limit)") from None
         if self.flush_cache_scope not in ("cache", "all"):
             raise ValueError(f"--flush-cache-scope: choose cache or all, got "
                              f"{self.flush_cache_scope!r}")
@@ -168,8 +196,8 @@ class ServerConfig:
         elif self.pp_micro_batches:
             raise ValueError("--pp-micro-batches needs --pp 2 or more")
         self._check_nodes()
-        if not (math.isfinite(self.collective_timeout_s) and self.collective_timeout_s > 0):
-            raise ValueError("--collective-timeout must be a finite number > 0")
+        _in_range("--collective-timeout", self.collective_timeout_s, MIN_COLLECTIVE_TIMEOUT_S,
+                  MAX_TIMEOUT_S)
         if self.inject_divergence:
             from engine.parallel.divergence import parse_spec
 
@@ -190,6 +218,13 @@ class ServerConfig:
                  if v > 1]
         what = " ".join(parts) + (f" ({world})" if len(parts) > 1 else "")
         check_nodes(world, self.nnodes, self.node_rank, self.dist_init_addr, what)
+        from engine.core.device import max_local_ranks
+
+        local = -(-world // self.nnodes)
+        cap, why = max_local_ranks()
+        if local > cap:       # refused before one process is spawned
+            raise ValueError(f"{what}: {local:,} rank processes on this host; it can run at "
+                             f"most {cap} ({why})")
 
     def spec_config(self) -> Any:
         """The speculative-decoding settings, or None when off (checks the options)."""
