@@ -212,6 +212,14 @@ def serve_cmd(
     opts = dict(locals())
     del opts["ctx"]
     _say_loading(model)
+    try:
+        _serve_cmd(ctx, opts, log_level, fmt, dump_tree_on_exit)
+    finally:
+        _loaded()
+
+
+def _serve_cmd(ctx: typer.Context, opts: dict, log_level: LogLevel, fmt: OutputFormat,
+               dump_tree_on_exit: Optional[str]) -> None:
     opts["context_length"] = None
     known = [n for p in ctx.command.params for n in p.opts]
     apply_extra(ctx.args, opts, known, lambda msg: stderr.print(f"hicache bench serve: {msg}"))
@@ -228,13 +236,31 @@ def serve_cmd(
     _serve(cfg, fmt, dump_path)
 
 
+LOADING_NOTE_S = 2.0
+"""A server not listening this long after start says it is loading (a real checkpoint takes
+10-20 s on 2 cores); one that fails or starts sooner prints nothing extra."""
+_loading: list = []
+
+
 def _say_loading(model: str) -> None:
-    """A real checkpoint takes seconds to load (smollm2-135m: 10-20 s on 2 cores): say so at
-    once instead of printing nothing until the server listens. Presets load in a blink."""
+    import threading
+
     from engine.runtime.model.config import PRESETS
 
-    if model not in PRESETS:
-        stderr.print(f"hicache bench serve: loading {model} …", highlight=False, markup=False)
+    if model in PRESETS:                 # random weights: nothing to read
+        return
+
+    t = threading.Timer(LOADING_NOTE_S, lambda: stderr.print(
+        f"hicache bench serve: loading {model} …", highlight=False, markup=False))
+    t.daemon = True
+    _loading.append(t)
+    t.start()
+
+
+def _loaded() -> None:
+    """Called when the server (or node, or worker set) is up, and when it fails."""
+    while _loading:
+        _loading.pop().cancel()
 
 
 def _serve_node(cfg, fmt: OutputFormat) -> None:
@@ -249,6 +275,7 @@ def _serve_node(cfg, fmt: OutputFormat) -> None:
     which = f"{kind} {ranks[0]}" if len(ranks) == 1 else f"{kind}s {ranks[0]}-{ranks[-1]}"
 
     def ready(pids: dict) -> None:
+        _loaded()
         if fmt is OutputFormat.json:
             sys.stdout.write(json.dumps({"node_rank": cfg.node_rank, "nnodes": cfg.nnodes,
                                          "ranks": ranks, "pids": list(pids.values()),
@@ -278,6 +305,7 @@ def _serve_pd(cfg, fmt: OutputFormat, dump_tree_on_exit: Optional[str]) -> None:
     from engine.runtime.pd.frontend import serve_frontend
 
     def ready(url: str, workers) -> None:
+        _loaded()
         if fmt is OutputFormat.json:
             sys.stdout.write(json.dumps({"url": url, "disaggregation": "pd",
                                          "decode_url": workers.decode_url,
@@ -375,6 +403,7 @@ def _serve(cfg, fmt: OutputFormat, dump_path: Optional[Path]) -> None:
     from engine.runtime.serving import Engine, serve
 
     def ready(url: str, engine: Engine) -> None:
+        _loaded()
         engine.stop_on_rank_failure()     # --pp: a lost stage stops the server (exit 1)
         d = engine.describe()
         if fmt is OutputFormat.json:      # one line, so a parent can read it as it comes
