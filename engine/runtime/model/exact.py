@@ -30,10 +30,10 @@ from typing import Callable
 
 import torch
 
-ROW_TILE = 64          # rows per item of a linear layer or a per-head product
-WIDE_ROW_TILE = 16     # rows per item of a vocabulary-wide projection (few rows: the logits)
-WIDE = 16384           # output columns from which a projection counts as vocabulary-wide
-_BLOCKS = 8            # a weight is cut into about this many column blocks (a fixed function
+MAX_TILE = 256         # rows per item: a product's rows are cut into tiles of this many,
+TILE_STEP = 16         # the last tile (or a lone one) rounded up to a multiple of this
+ROW_TILE = 64          # rows per item where the library's bits for a row follow the tile size
+_BLOCKS = 4            # a weight is cut into about this many column blocks (a fixed function
                        # of its width: the threads share the blocks of a tile)
 
 _log = logging.getLogger("hicache.model")
@@ -63,8 +63,31 @@ def reset() -> None:
     _warned.clear()
 
 
-def row_tile(n_out: int) -> int:
-    return WIDE_ROW_TILE if n_out >= WIDE else ROW_TILE
+def tiles(M: int, key: tuple, make: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+          ) -> list[int]:
+    """Row tiles for ``M`` rows of a product whose items are ``make(T)``'s operands: whole
+    :data:`MAX_TILE` tiles and a last one rounded up to :data:`TILE_STEP` (little padding for a
+    decode step), where the single-thread kernel gives a row the same bits in a tile of 16, 48
+    or MAX_TILE rows (checked once per kind of item); :data:`ROW_TILE`-row tiles otherwise."""
+    if _adaptive(key, make):
+        full, rest = divmod(M, MAX_TILE)
+        return [MAX_TILE] * full + ([-(-rest // TILE_STEP) * TILE_STEP] if rest or not M else [])
+    return [ROW_TILE] * max(1, -(-M // ROW_TILE))
+
+
+def _adaptive(key: tuple, make: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    full = ("tile-size", *key)
+    ok = _verdicts.get(full)
+    if ok is None:
+        a, b = make(MAX_TILE)
+        ref = safe_items(a, b)[:, :TILE_STEP]
+        ok = all(torch.equal(safe_items(a[:, :t], b)[:, :TILE_STEP], ref)
+                 for t in (TILE_STEP, 3 * TILE_STEP))
+        _verdicts[full] = ok
+        if not ok:
+            _log.info("exact path: %s items give a row other bits in other tile sizes; "
+                      "using %d-row tiles", key[0], ROW_TILE)
+    return ok
 
 
 def col_block(n: int) -> int:
@@ -132,30 +155,40 @@ def _pad_to(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x if not extra else torch.cat([x, x.new_zeros((extra, *x.shape[1:]))])
 
 
+def _probe_operands(K: int, C: int, dtype: torch.dtype, transposed: bool
+                    ) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    def make(T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(T + K + C)
+        a = torch.randn(1, T, K, generator=g).to(dtype)
+        b = torch.randn(1, C, K, generator=g).to(dtype)
+        return a, (b.transpose(1, 2) if transposed else b.view(1, K, C))
+    return make
+
+
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x [M, K] @ w.T`` (``w [N, K]``, contiguous): each row's bits fixed by its own values."""
     M, K = x.shape
     N = w.shape[0]
-    T = row_tile(N)
-    Mp = max(T, -(-M // T) * T)
-    xp = _pad_to(x, Mp).contiguous()
+    C = col_block(N)
+    cut = tiles(M, ("linear", K, C, x.dtype), _probe_operands(K, C, x.dtype, True))
+    xp = _pad_to(x, sum(cut)).contiguous()
     if mode() == "library":
-        return checked("linear-library", (Mp, K, N, x.dtype), lambda: torch.mm(xp, w.t()),
-                       lambda: _linear_items(xp, w, T))[:M]
-    return _linear_items(xp, w, T)[:M]
+        return checked("linear-library", (xp.shape[0], K, N, x.dtype),
+                       lambda: torch.mm(xp, w.t()), lambda: _linear_items(xp, w, cut, C))[:M]
+    return _linear_items(xp, w, cut, C)[:M]
 
 
-def _linear_items(xp: torch.Tensor, w: torch.Tensor, T: int) -> torch.Tensor:
+def _linear_items(xp: torch.Tensor, w: torch.Tensor, cut: list[int], C: int) -> torch.Tensor:
     Mp, K = xp.shape
     N = w.shape[0]
-    C = col_block(N)
     nb = N // C
     wb = w.view(nb, C, K).transpose(1, 2)                     # [nb, K, C], no copy
     out = xp.new_empty((Mp, N))
-    ov = out.view(Mp // T, T, nb, C)
-    for i in range(Mp // T):
-        r = items("linear", xp[i * T:(i + 1) * T].expand(nb, T, K), wb)   # [nb, T, C]
-        ov[i].copy_(r.transpose(0, 1))
+    s = 0
+    for T in cut:
+        r = items("linear", xp[s:s + T].expand(nb, T, K), wb)             # [nb, T, C]
+        out[s:s + T].view(T, nb, C).copy_(r.transpose(0, 1))
+        s += T
     return out
 
 
@@ -163,18 +196,21 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a [B, M, K] @ b [B, K, N]``: each row's bits fixed by its own values."""
     B, M, K = a.shape
     N = b.shape[2]
-    T = row_tile(N)
-    Mp = max(T, -(-M // T) * T)
+    C = N if B >= 2 else col_block(N)
+    cut = tiles(M, ("bmm", K, C, a.dtype), _probe_operands(K, C, a.dtype, False))
+    Mp = sum(cut)
     ap = a if Mp == M else torch.cat([a, a.new_zeros((B, Mp - M, K))], dim=1)
     out = a.new_empty((B, Mp, N))
+    s = 0
     if B >= 2:
-        for i in range(Mp // T):
-            out[:, i * T:(i + 1) * T] = items("bmm", ap[:, i * T:(i + 1) * T], b)
+        for T in cut:
+            out[:, s:s + T] = items("bmm", ap[:, s:s + T], b)
+            s += T
         return out[:, :M]
-    C = col_block(N)
     nb = N // C
     bb = b[0].view(K, nb, C).permute(1, 0, 2)                 # [nb, K, C], no copy
-    ov = out[0].view(Mp // T, T, nb, C)
-    for i in range(Mp // T):
-        ov[i].copy_(items("bmm", ap[0, i * T:(i + 1) * T].expand(nb, T, K), bb).transpose(0, 1))
+    for T in cut:
+        r = items("bmm", ap[0, s:s + T].expand(nb, T, K), bb)
+        out[0, s:s + T].view(T, nb, C).copy_(r.transpose(0, 1))
+        s += T
     return out[:, :M]

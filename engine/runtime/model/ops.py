@@ -193,6 +193,11 @@ def _attention_exact_pass(qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # Rows are (group member, query) pairs of one kv-head, row = g * M + m, padded to whole
     # tiles of RT rows (padding rows see every key; their results are dropped).
     R = G * M
+    if _attention_tiles_adapt(Dk, Dv, qh.dtype, v.dtype):
+        # a row's item bits do not follow the tile size: one tile of R rows rounded up to 16
+        # for a decode step or a short chunk, else whole tiles of MAX_TILE rows
+        RT = -(-R // _exact.TILE_STEP) * _exact.TILE_STEP if R <= _exact.MAX_TILE \
+            else _exact.MAX_TILE
     Rp = max(RT, -(-R // RT) * RT)
     nt = Rp // RT
     rows = F.pad(qh.permute(1, 2, 0, 3).reshape(Hkv, R, Dk), (0, 0, 0, Rp - R))
@@ -240,6 +245,20 @@ def _attention_exact_pass(qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             acc = acc.view(Rp, Dv)
         out[h] = acc[:R]
     return out.view(Hkv, G, M, Dv).permute(2, 0, 1, 3).reshape(M, Hkv * G, Dv)
+
+
+def _attention_tiles_adapt(Dk: int, Dv: int, qdt: torch.dtype, vdt: torch.dtype) -> bool:
+    """Whether the score and ``P @ V`` items give a row the same bits in any tile size."""
+    def operands(K: int, N: int, dt: torch.dtype):
+        def make(T: int) -> tuple[torch.Tensor, torch.Tensor]:
+            g = torch.Generator().manual_seed(T + K + N)
+            return (torch.randn(1, T, K, generator=g).to(dt),
+                    torch.randn(1, K, N, generator=g).to(dt))
+        return make
+    return (_exact.tiles(1, ("scores", Dk, KEY_BLOCK, qdt), operands(Dk, KEY_BLOCK, qdt))
+            == [_exact.TILE_STEP]
+            and _exact.tiles(1, ("pv", KEY_BLOCK, Dv, vdt), operands(KEY_BLOCK, Dv, vdt))
+            == [_exact.TILE_STEP])
 
 
 def _attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
