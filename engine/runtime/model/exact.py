@@ -37,30 +37,41 @@ _BLOCKS = 4            # a weight is cut into about this many column blocks (a f
                        # of its width: the threads share the blocks of a tile)
 
 _log = logging.getLogger("hicache.model")
+_batched = torch.bmm   # the batched kernel (a test swaps in one that follows the batch)
 # (kind, shapes, strides-of-batch-zero, dtype, threads) -> batched kernel agreed with the safe one
 _verdicts: dict[tuple, bool] = {}
 _warned: set[str] = set()
 
 
+_forced: dict[str, str] = {}    # "mode": "safe" once a start-up probe found a difference
+
+
 def mode() -> str:
-    """``HICACHE_EXACT_GEMM``: ``""`` (checked batched kernel), ``safe`` or ``library``."""
-    return os.environ.get("HICACHE_EXACT_GEMM", "")
+    """``safe`` (forced by :func:`force_safe`) or ``HICACHE_EXACT_GEMM``: ``""`` (the checked
+    batched kernel), ``safe`` or ``library``."""
+    return _forced.get("mode") or os.environ.get("HICACHE_EXACT_GEMM", "")
 
 
-def report() -> dict[str, list[int]]:
-    """Kinds of call whose batched kernel failed its check, with the thread counts it failed at
-    (they take the safe kernel); empty when every checked call agreed."""
-    out: dict[str, list[int]] = {}
+def force_safe() -> None:
+    """Every exact product takes the single-thread kernel from now on."""
+    _forced["mode"] = "safe"
+
+
+def report() -> list[str]:
+    """The checks that failed (those kinds take the safe kernel or fixed tiles), one line each;
+    ``["safe kernel forced"]`` first where :func:`force_safe` was called."""
+    out = ["safe kernel forced"] if _forced.get("mode") else []
     for key, ok in _verdicts.items():
         if not ok:
-            out.setdefault(key[0], []).append(key[-1])
+            out.append(" ".join(str(k) for k in key))
     return out
 
 
 def reset() -> None:
-    """Forget every verdict (tests; a changed ``HICACHE_EXACT_GEMM``)."""
+    """Forget every verdict and the forced mode (tests; a changed ``HICACHE_EXACT_GEMM``)."""
     _verdicts.clear()
     _warned.clear()
+    _forced.clear()
 
 
 def tiles(M: int, key: tuple, make: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
@@ -147,7 +158,7 @@ def items(kind: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.shape[0] == 1:
         return safe_items(a, b)
     key = (tuple(a.shape), tuple(b.shape), a.stride(0) == 0, b.stride(0) == 0, a.dtype)
-    return checked(kind, key, lambda: torch.bmm(a, b), lambda: safe_items(a, b))
+    return checked(kind, key, lambda: _batched(a, b), lambda: safe_items(a, b))
 
 
 def _pad_to(x: torch.Tensor, rows: int) -> torch.Tensor:
