@@ -154,6 +154,10 @@ Tp = Annotated[int, _O("--tp", min=1, max=8, help="Tensor-parallel ranks: one pr
                        "attention heads and the MLP split over them, each rank's KV pools "
                        "holding its kv-heads (docs/parallelism.md). With --cp M: tp x cp "
                        "processes, pages sharded over CP, heads over TP.")]
+Threads = Annotated[int, _O("--threads", min=0, max=1024, help="Torch compute threads per "
+                           "server process (0: torch's default; with --tp, the host's cores "
+                           "shared by its ranks). The exact CPU path gives the same bits at "
+                           "any count.")]
 Level = Annotated[LogLevel, _O("--log-level", help="Server log verbosity (stderr).")]
 
 
@@ -178,7 +182,7 @@ def serve_cmd(
     pd_transfer_timeout: PdTimeout = 30.0, pd_inject_fault: PdFault = None, pp: Pp = 1,
     pp_sync: PpSync = True, pp_micro_batches: PpMicro = 0, transfer_delay: TransferDelay = None,
     collective_timeout: CollectiveTimeout = 60.0, cp: Cp = 1, tp: Tp = 1, nnodes: NNodes = 1,
-    node_rank: NodeRank = 0, dist_init_addr: DistInitAddr = None,
+    node_rank: NodeRank = 0, dist_init_addr: DistInitAddr = None, threads: Threads = 0,
     log_level: Level = LogLevel.warning, fmt: Format = OutputFormat.human,
 ) -> None:
     """Run the benchmark server until Ctrl-C / SIGTERM (--format json: also one JSON line with
@@ -301,7 +305,8 @@ def _server_config(o: dict):
             pp=o["pp"], pp_sync=o["pp_sync"], pp_micro_batches=o["pp_micro_batches"],
             debug_transfer_delay=o["transfer_delay"],
             collective_timeout_s=o["collective_timeout"], cp=o["cp"], tp=o["tp"],
-            nnodes=o["nnodes"], node_rank=o["node_rank"], dist_init_addr=o["dist_init_addr"])
+            nnodes=o["nnodes"], node_rank=o["node_rank"], dist_init_addr=o["dist_init_addr"],
+            threads=o["threads"])
 
 
 def _dump_path(dump_tree_on_exit: Optional[str], cfg) -> tuple[Optional[Path], Any]:
