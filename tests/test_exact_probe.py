@@ -50,10 +50,14 @@ def test_the_check_catches_the_library_kernel_at_16_threads(monkeypatch, caplog)
     assert sum("not batch invariant" in r.message for r in caplog.records) == 1
 
 
+def _drifting(a, b, out=None):
+    """A batched kernel whose items' bits follow their tile's row count."""
+    r = torch.bmm(a, b) * (1 + 2.0 ** -20 * a.shape[1])
+    return r if out is None else out.copy_(r)
+
+
 def test_the_check_catches_a_kernel_that_follows_the_batch(monkeypatch, caplog):
-    def drifting(a, b):   # an item's bits follow its tile's row count
-        return torch.bmm(a, b) * (1 + 2.0 ** -20 * a.shape[1])
-    monkeypatch.setattr(exact, "_batched", drifting)
+    monkeypatch.setattr(exact, "_batched", _drifting)
     x, w = _xw(256, 512)
     with caplog.at_level(logging.WARNING, logger="hicache.model"):
         whole = ops.linear(x, w)
@@ -70,8 +74,7 @@ def test_start_up_probe_passes_and_falls_back_when_rows_differ(monkeypatch, capl
         assert check_exact(model, tokens=100)
     assert exact.mode() == "" and not caplog.records
     # a batched kernel whose bits follow the batch, and checks that would miss it
-    monkeypatch.setattr(exact, "_batched",
-                        lambda a, b: torch.bmm(a, b) * (1 + 2.0 ** -20 * a.shape[1]))
+    monkeypatch.setattr(exact, "_batched", _drifting)
     monkeypatch.setattr(exact, "checked",
                         lambda kind, key, fast, safe: safe() if exact.mode() == "safe" else fast())
     exact.reset()

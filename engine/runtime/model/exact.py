@@ -123,13 +123,15 @@ def _single_thread(fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         torch.set_num_threads(before)
 
 
-def safe_items(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a [n, T, K] @ b [n, K, C]`` item by item, each a plain product on one thread."""
+def safe_items(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """``a [n, T, K] @ b [n, K, C]`` item by item, each a plain product on one thread (into
+    ``out`` if given, contiguous)."""
     def run() -> torch.Tensor:
-        out = a.new_empty((a.shape[0], a.shape[1], b.shape[2]))
+        o = a.new_empty((a.shape[0], a.shape[1], b.shape[2])) if out is None else out
         for i in range(a.shape[0]):
-            torch.mm(a[i], b[i], out=out[i])
-        return out
+            torch.mm(a[i], b[i], out=o[i])
+        return o
     return _single_thread(run)
 
 
@@ -142,7 +144,8 @@ def checked(kind: str, key: tuple, fast: Callable[[], torch.Tensor],
     full = (kind, *key, torch.get_num_threads())
     ok = _verdicts.get(full)
     if ok is None:
-        got, want = fast(), safe()
+        got = fast().clone()
+        want = safe()
         ok = _verdicts[full] = torch.equal(got, want)
         if not ok and kind not in _warned:
             _warned.add(kind)
@@ -153,12 +156,33 @@ def checked(kind: str, key: tuple, fast: Callable[[], torch.Tensor],
     return fast() if ok else safe()
 
 
-def items(kind: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a [n, T, K] @ b [n, K, C]`` with every item's bits those of :func:`safe_items`."""
+def items(kind: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None
+          ) -> torch.Tensor:
+    """``a [n, T, K] @ b [n, K, C]`` with every item's bits those of :func:`safe_items`
+    (into ``out`` if given, contiguous)."""
     if a.shape[0] == 1:
-        return safe_items(a, b)
+        return safe_items(a, b, out)
     key = (tuple(a.shape), tuple(b.shape), a.stride(0) == 0, b.stride(0) == 0, a.dtype)
-    return checked(kind, key, lambda: _batched(a, b), lambda: safe_items(a, b))
+    if out is None:
+        return checked(kind, key, lambda: _batched(a, b), lambda: safe_items(a, b))
+    return checked(kind, key, lambda: _batched(a, b, out=out), lambda: safe_items(a, b, out))
+
+
+def width_free(kind: str, K: int, dtype: torch.dtype) -> bool:
+    """Whether the single-thread kernel gives an item's first columns the same bits whatever
+    the item's width and row count (a ``K``-deep product; checked once per kind)."""
+    full = ("width", kind, K, dtype)
+    ok = _verdicts.get(full)
+    if ok is None:
+        g = torch.Generator().manual_seed(K)
+        a = torch.randn(1, MAX_TILE, K, generator=g).to(dtype)
+        b = torch.randn(1, K, 1072, generator=g).to(dtype)
+        ref = safe_items(a[:, :TILE_STEP], b[..., :256].contiguous())
+        ok = all(torch.equal(safe_items(a[:, :t], b[..., :w].contiguous())[:, :TILE_STEP, :256],
+                             ref) for t, w in ((TILE_STEP, 512), (TILE_STEP, 1072),
+                                               (MAX_TILE, 1072)))
+        _verdicts[full] = ok
+    return ok
 
 
 def _pad_to(x: torch.Tensor, rows: int) -> torch.Tensor:

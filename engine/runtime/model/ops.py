@@ -201,19 +201,30 @@ def _attention_exact_pass(qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Rp = max(RT, -(-R // RT) * RT)
     nt = Rp // RT
     rows = F.pad(qh.permute(1, 2, 0, 3).reshape(Hkv, R, Dk), (0, 0, 0, Rp - R))
-    # Scores: items [RT, Dk] @ [Dk, KB] (a tile of rows by a key block), reduction over Dk only.
-    kb = F.pad(k[:T], (0, 0, 0, 0, 0, pad)).view(nb, KB, Hkv, Dk).permute(2, 0, 3, 1) \
-        .contiguous()                                                  # [Hkv, nb, Dk, KB]
     scores = rows.new_empty((Hkv, Rp, Tp))
-    for h in range(Hkv):
-        if nt == 1:                              # one tile: the key blocks are the items
-            r = _exact.items("scores", rows[h].expand(nb, RT, Dk), kb[h])     # [nb, RT, KB]
-            scores[h].view(RT, nb, KB).copy_(r.transpose(0, 1))
-            continue
-        sv = scores[h].view(nt, RT, nb, KB)
-        for b in range(nb):                      # the tiles are the items
-            sv[:, :, b] = _exact.items("scores", rows[h].view(nt, RT, Dk),
-                                       kb[h, b].expand(nt, Dk, KB))
+    if _exact.width_free("scores", Dk, qh.dtype):
+        # Scores: items [RT, Dk] @ [Dk, Tp] (a tile of rows by every key), reduction over Dk
+        # only; the kernel gives a key's column the same bits whatever the item's width.
+        kt = F.pad(k[:T], (0, 0, 0, 0, 0, pad)).permute(1, 2, 0).contiguous()  # [Hkv, Dk, Tp]
+        if nt == 1:                              # one tile: the kv-heads are the items
+            _exact.items("scores", rows, kt, out=scores)
+        else:
+            for h in range(Hkv):                 # the tiles are the items
+                _exact.items("scores", rows[h].view(nt, RT, Dk), kt[h].expand(nt, Dk, Tp),
+                             out=scores[h].view(nt, RT, Tp))
+    else:
+        # Scores: items [RT, Dk] @ [Dk, KB] (a tile of rows by a key block).
+        kb = F.pad(k[:T], (0, 0, 0, 0, 0, pad)).view(nb, KB, Hkv, Dk).permute(2, 0, 3, 1) \
+            .contiguous()                                              # [Hkv, nb, Dk, KB]
+        for h in range(Hkv):
+            if nt == 1:                          # one tile: the key blocks are the items
+                r = _exact.items("scores", rows[h].expand(nb, RT, Dk), kb[h])  # [nb, RT, KB]
+                scores[h].view(RT, nb, KB).copy_(r.transpose(0, 1))
+                continue
+            sv = scores[h].view(nt, RT, nb, KB)
+            for b in range(nb):                  # the tiles are the items
+                sv[:, :, b] = _exact.items("scores", rows[h].view(nt, RT, Dk),
+                                           kb[h, b].expand(nt, Dk, KB))
     scores = scores.float()
     # Keys up to the lowest query position are visible to every row: mask only the rest.
     lo = int(q_pos.min()) + 1
