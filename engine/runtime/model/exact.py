@@ -25,7 +25,9 @@ be non-invariant) as its fast kernel, which the check must then catch.
 from __future__ import annotations
 
 import logging
+import math
 import os
+import threading
 from typing import Callable
 
 import torch
@@ -185,6 +187,23 @@ def width_free(kind: str, K: int, dtype: torch.dtype) -> bool:
     return ok
 
 
+_scratch = threading.local()
+
+
+def _buffer(name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A per-thread scratch tensor of ``shape``, reused from call to call: fresh memory of a
+    few MB costs page faults that took as long as the product itself (measured in a VM)."""
+    bufs = getattr(_scratch, "bufs", None)
+    if bufs is None:
+        bufs = _scratch.bufs = {}
+    n = math.prod(shape)
+    key = (name, like.dtype, like.device, torch.is_inference_mode_enabled())
+    t = bufs.get(key)
+    if t is None or t.numel() < n:
+        t = bufs[key] = torch.empty(n, dtype=like.dtype, device=like.device)
+    return t[:n].view(shape)
+
+
 def _pad_to(x: torch.Tensor, rows: int) -> torch.Tensor:
     extra = rows - x.shape[0]
     return x if not extra else torch.cat([x, x.new_zeros((extra, *x.shape[1:]))])
@@ -221,7 +240,11 @@ def _linear_items(xp: torch.Tensor, w: torch.Tensor, cut: list[int], C: int) -> 
     out = xp.new_empty((Mp, N))
     s = 0
     for T in cut:
-        r = items("linear", xp[s:s + T].expand(nb, T, K), wb)             # [nb, T, C]
+        # the tile copied per block: a batch whose left operand has stride 0 and whose
+        # right one is transposed took twice as long (MKL 2024.2)
+        a = _buffer("a", (nb, T, K), xp)
+        a.copy_(xp[s:s + T].expand(nb, T, K))
+        r = items("linear", a, wb, out=_buffer("r", (nb, T, C), xp))       # [nb, T, C]
         out[s:s + T].view(T, nb, C).copy_(r.transpose(0, 1))
         s += T
     return out
@@ -239,13 +262,13 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     s = 0
     if B >= 2:
         for T in cut:
-            out[:, s:s + T] = items("bmm", ap[:, s:s + T], b)
+            out[:, s:s + T] = items("bmm", ap[:, s:s + T], b, out=_buffer("r", (B, T, N), a))
             s += T
         return out[:, :M]
     nb = N // C
     bb = b[0].view(K, nb, C).permute(1, 0, 2)                 # [nb, K, C], no copy
     for T in cut:
-        r = items("bmm", ap[0, s:s + T].expand(nb, T, K), bb)
+        r = items("bmm", ap[0, s:s + T].expand(nb, T, K), bb, out=_buffer("r", (nb, T, C), a))
         out[0, s:s + T].view(T, nb, C).copy_(r.transpose(0, 1))
         s += T
     return out[:, :M]
