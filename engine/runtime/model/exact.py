@@ -6,10 +6,13 @@ small is split along the reduction dimension, each thread summing part of it (on
 AVX-512 and AMX, 16 threads gave a 768-wide product other bits than 1 thread, whatever the
 row count). Padding rows to a multiple of the kernel's blocking only matched one machine.
 
-Here every product on the exact path is cut into *items* of one fixed shape — ``T`` rows (a
-tile, the rows zero-padded) by ``C`` columns (a fixed column block of the weight) over the
-whole reduction — and an item is computed as the library computes that shape on one thread:
-one code path, no split of the reduction, whatever the row count or thread count. The threads
+Here every product on the exact path is cut into *items* — ``T`` rows (a tile, the rows
+zero-padded) by ``C`` columns (a column block of the weight fixed by its width) over the whole
+reduction — and an item is computed as the library computes that shape on one thread: one code
+path, no split of the reduction, whatever the row count or thread count. Tiles are
+:data:`MAX_TILE` rows with a last one rounded up to :data:`TILE_STEP` where the one-thread
+kernel was seen to give a row the same bits in any such tile (:func:`tiles`), else
+:data:`ROW_TILE` rows always. The threads
 are used across items: ``torch.bmm`` over a batch of items runs each item on one thread. That
 last point is the library's behaviour, not a promise, so it is checked: the first time a kind of
 call is made at a thread count (:func:`items`), its batched result is compared bit for bit with
