@@ -82,3 +82,21 @@ def test_start_up_probe_passes_and_falls_back_when_rows_differ(monkeypatch, capl
         assert check_exact(model, tokens=100)
     assert exact.mode() == "safe"
     assert sum("other bits" in r.message for r in caplog.records) == 1
+
+
+def test_bfloat16_products_and_attention_are_invariant_at_1_to_32_threads():
+    """bf16 (the ``medium`` preset) goes through another library path (oneDNN): here its
+    one-thread rows follow the tile size and its batched kernel differs at 32 threads, so the
+    checks pick fixed tiles and the safe kernel; the bits stay the same either way."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(1536, 768, generator=g).bfloat16(), torch.randn(300, 768, generator=g)
+    q, k, v = (torch.randn(300, h, 64, generator=g).bfloat16() for h in (4, 2, 2))
+    x, pos = x.bfloat16(), torch.arange(300)
+    ref = None
+    for t in (1, 2, 16, 32):
+        torch.set_num_threads(t)
+        got = (ops.linear(x, w), ops.linear(x[:7], w), ops.attention(q, k, v, pos, 0.125),
+               ops.attention(q[290:], k, v, pos[290:], 0.125))
+        ref = ref or got
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[0][:7])
+        assert torch.equal(got[2], ref[2]) and torch.equal(got[3], ref[2][290:])
