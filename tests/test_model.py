@@ -24,11 +24,13 @@ def model(request):
     return load_model(request.param, "cpu")
 
 
-@pytest.fixture(params=["default", 16])
+@pytest.fixture(params=["default", 1, 2, 3, 4, 8, 16, 32])
 def threads(request):
-    """The bitwise checks run with torch's own thread count and with 16 threads: CPU GEMM
-    kernels split rows between threads, and the few rows left over once took another code path
-    (different bits) on a 16-core machine."""
+    """The bitwise checks run with torch's own thread count and with 1 to 32 threads: CPU GEMM
+    libraries split a product between threads by its shape, the split changes the summation
+    order (on a Xeon with AVX-512 and AMX, 16 threads split small products along the reduction
+    dimension), so a row's bits may follow the batch or the thread count unless the code fixes
+    the order (engine.runtime.model.exact)."""
     before = torch.get_num_threads()
     if request.param != "default":
         torch.set_num_threads(request.param)

@@ -171,6 +171,10 @@ FlushScopeOpt = Annotated[FlushScopeChoice, _O(
     "--flush-cache-scope", help="What /flush_cache and /reset_prefix_cache empty: cache = L1 "
     "and L2 (SGLang's meaning), all = every tier, L3 included (for benchmark clients that "
     "flush between runs, e.g. bench_serving --flush-cache).")]
+Threads = Annotated[int, _O("--threads", min=0, max=1024, help="Torch compute threads per "
+                           "server process (0: torch's default; with --tp, the host's cores "
+                           "shared by its ranks). The exact CPU path gives the same bits at "
+                           "any count.")]
 Level = Annotated[LogLevel, _O("--log-level", help="Server log verbosity (stderr).")]
 
 
@@ -195,7 +199,7 @@ def serve_cmd(
     pd_transfer_timeout: PdTimeout = 30.0, pd_inject_fault: PdFault = None, pp: Pp = 1,
     pp_sync: PpSync = True, pp_micro_batches: PpMicro = 0, transfer_delay: TransferDelay = None,
     collective_timeout: CollectiveTimeout = 60.0, cp: Cp = 1, tp: Tp = 1, nnodes: NNodes = 1,
-    node_rank: NodeRank = 0, dist_init_addr: DistInitAddr = None,
+    node_rank: NodeRank = 0, dist_init_addr: DistInitAddr = None, threads: Threads = 0,
     flush_cache_scope: FlushScopeOpt = FlushScopeChoice.cache,
     log_level: Level = LogLevel.warning, fmt: Format = OutputFormat.human,
 ) -> None:
@@ -366,7 +370,8 @@ def _server_config(o: dict):
             debug_transfer_delay=o["transfer_delay"],
             collective_timeout_s=o["collective_timeout"], cp=o["cp"], tp=o["tp"],
             nnodes=o["nnodes"], node_rank=o["node_rank"], dist_init_addr=o["dist_init_addr"],
-            context_length=o["context_length"], flush_cache_scope=o["flush_cache_scope"].value)
+            context_length=o["context_length"], flush_cache_scope=o["flush_cache_scope"].value,
+            threads=o["threads"])
 
 
 def _dump_path(dump_tree_on_exit: Optional[str], cfg) -> tuple[Optional[Path], Any]:

@@ -7,15 +7,15 @@ by a request whose fresh run would compute it in a 300-token chunk, decode token
 one at a time and later re-read as part of a prompt), so on the exact path every operation is
 *batch invariant*: the result for one token depends only on that token's inputs.
 
-* Matrix products pad their row count to a multiple of :data:`ROW_MULTIPLE`: CPU GEMM kernels
-  pick a different (gemv / small-M) code path, with a different summation order, for very few
-  rows, and with many threads also for the few rows left over when the rows are split between
-  threads (with 16 threads, 17-19 and 25-27 rows gave their last rows different bits). Padded
-  to a multiple of 16, every row count from 1 to 1024 gave every row the same bits as in a
-  1024-row product, with 3, 6, 8, 12 and 16 threads.
+* Matrix products (:mod:`engine.runtime.model.exact`) are cut into items of one fixed shape
+  (a tile of rows by a fixed column block, over the whole reduction), each item computed as
+  the library computes that shape on one thread; threads share the items. Padding rows to the
+  library's blocking (the earlier approach) matched one machine only: with 16 threads, a CPU
+  with AVX-512 and AMX split small products along the reduction dimension at any row count.
 * Attention reduces over keys in fixed blocks of :data:`KEY_BLOCK` keys aligned to absolute
-  position 0: ``P @ V`` per block (fixed reduction length), then a sequential sum over
-  blocks (scores reduce over the head dim only, so they do not depend on the key count). Keys a
+  position 0: ``P @ V`` per block (fixed reduction length, items of :data:`ATTN_ROW_TILE`
+  rows), then a sequential sum over blocks (scores reduce over the head dim only, one item per
+  tile and key block, so they do not depend on the key count). Keys a
   query may not see contribute exact zeros, so a query's result does not depend on how many keys
   the rest of its chunk needs. The softmax runs along each row from key 0 (max, exp, sum), so
   masked keys add exact zeros to it.
@@ -33,7 +33,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-ROW_MULTIPLE = 16
+from engine.runtime.model import exact as _exact
+
+ATTN_ROW_TILE = 32         # (query, group member) rows per attention item
 _VEC_ALIGN = 64            # elements: a multiple of any CPU vector loop's step (AVX-512 bf16: 64)
 _ELEMWISE_BLOCK = 1 << 14  # elements per elementwise call: below torch's grain (32768)
 KEY_BLOCK = 256
@@ -41,30 +43,18 @@ KEY_BLOCK = 256
 _SCORE_BUDGET = 1 << 22
 
 
-def _pad_rows(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
-    n = x.shape[dim]
-    extra = -n % ROW_MULTIPLE if n else ROW_MULTIPLE
-    if not extra:
-        return x, n
-    shape = list(x.shape)
-    shape[dim] = extra
-    return torch.cat([x, x.new_zeros(shape)], dim=dim), n
-
-
 def linear(x: torch.Tensor, w: torch.Tensor, exact: bool = True) -> torch.Tensor:
     """``x @ w.T`` for ``x [M, K]``, ``w [N, K]``; batch invariant when ``exact``."""
     if not exact:
         return F.linear(x, w)
-    xp, n = _pad_rows(x, 0)
-    return F.linear(xp, w)[:n]
+    return _exact.linear(x, w)
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, exact: bool = True) -> torch.Tensor:
     """``a [B, M, K] @ b [B, K, N]``; batch invariant in ``M`` when ``exact``."""
     if not exact:
         return torch.bmm(a, b)
-    ap, n = _pad_rows(a, 1)
-    return torch.bmm(ap, b)[:, :n]
+    return _exact.bmm(a, b)
 
 
 def silu(x: torch.Tensor, exact: bool = True) -> torch.Tensor:
@@ -181,7 +171,7 @@ def _attention_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
     G = Hq // Hkv
     out = q.new_empty((M, Hq, Dv))
     # Rows are (group member, query) pairs of one kv-head; split queries into passes whose
-    # score tensor stays within budget, each pass padded to a multiple of ROW_MULTIPLE rows.
+    # score tensor stays within budget.
     T_all = int(q_pos.max()) + 1
     per_query = Hkv * G * max(KEY_BLOCK, T_all)
     step = max(1, _SCORE_BUDGET // per_query)
@@ -198,16 +188,45 @@ def _attention_exact_pass(qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Dv = v.shape[2]
     T = int(q_pos.max()) + 1                     # keys this pass can see
     nb = -(-T // KEY_BLOCK)
-    Tp = nb * KEY_BLOCK
+    Tp, KB, RT = nb * KEY_BLOCK, KEY_BLOCK, ATTN_ROW_TILE
     pad = Tp - T
-    # Scores: one product per kv-head, reduction over Dk only (same for every key count).
-    kt = F.pad(k[:T], (0, 0, 0, 0, 0, pad)).permute(1, 2, 0)           # [Hkv, Dk, Tp]
-    rows = qh.permute(1, 2, 0, 3).reshape(Hkv, G * M, Dk)              # row = g * M + m
-    rows, R = _pad_rows(rows, 1)
-    Rp = rows.shape[1]
-    scores = torch.matmul(rows, kt).float()                            # [Hkv, Rp, Tp]
+    # Rows are (group member, query) pairs of one kv-head, row = g * M + m, padded to whole
+    # tiles of RT rows (padding rows see every key; their results are dropped).
+    R = G * M
+    if _attention_tiles_adapt(Dk, Dv, qh.dtype, v.dtype):
+        # a row's item bits do not follow the tile size: one tile of R rows rounded up to 16
+        # for a decode step or a short chunk, else whole tiles of MAX_TILE rows
+        RT = -(-R // _exact.TILE_STEP) * _exact.TILE_STEP if R <= _exact.MAX_TILE \
+            else _exact.MAX_TILE
+    Rp = max(RT, -(-R // RT) * RT)
+    nt = Rp // RT
+    rows = F.pad(qh.permute(1, 2, 0, 3).reshape(Hkv, R, Dk), (0, 0, 0, Rp - R))
+    scores = rows.new_empty((Hkv, Rp, Tp))
+    if _exact.width_free("scores", Dk, qh.dtype):
+        # Scores: items [RT, Dk] @ [Dk, Tp] (a tile of rows by every key), reduction over Dk
+        # only; the kernel gives a key's column the same bits whatever the item's width.
+        kt = F.pad(k[:T], (0, 0, 0, 0, 0, pad)).permute(1, 2, 0).contiguous()  # [Hkv, Dk, Tp]
+        if nt == 1:                              # one tile: the kv-heads are the items
+            _exact.items("scores", rows, kt, out=scores)
+        else:
+            for h in range(Hkv):                 # the tiles are the items
+                _exact.items("scores", rows[h].view(nt, RT, Dk), kt[h].expand(nt, Dk, Tp),
+                             out=scores[h].view(nt, RT, Tp))
+    else:
+        # Scores: items [RT, Dk] @ [Dk, KB] (a tile of rows by a key block).
+        kb = F.pad(k[:T], (0, 0, 0, 0, 0, pad)).view(nb, KB, Hkv, Dk).permute(2, 0, 3, 1) \
+            .contiguous()                                              # [Hkv, nb, Dk, KB]
+        for h in range(Hkv):
+            if nt == 1:                          # one tile: the key blocks are the items
+                r = _exact.items("scores", rows[h].expand(nb, RT, Dk), kb[h])  # [nb, RT, KB]
+                scores[h].view(RT, nb, KB).copy_(r.transpose(0, 1))
+                continue
+            sv = scores[h].view(nt, RT, nb, KB)
+            for b in range(nb):                  # the tiles are the items
+                sv[:, :, b] = _exact.items("scores", rows[h].view(nt, RT, Dk),
+                                           kb[h, b].expand(nt, Dk, KB))
+    scores = scores.float()
     # Keys up to the lowest query position are visible to every row: mask only the rest.
-    # (Padding rows see every key; their results are dropped.)
     lo = int(q_pos.min()) + 1
     if lo < Tp:
         row_pos = q_pos.new_full((Rp,), T - 1)
@@ -217,17 +236,40 @@ def _attention_exact_pass(qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # Row-wise softmax: max, exp and sum run along the row from key 0 (masked keys add exact
     # zeros), so a row's probabilities do not depend on the other rows or on trailing blocks.
     p = torch.softmax(scores, dim=-1).to(v.dtype)
-    # P @ V per key block (fixed reduction length), blocks summed in order. The blocks of a
-    # head's P are strided views (no copy); V is laid out [Hkv, nb, KEY_BLOCK, Dv].
-    vb = F.pad(v[:T], (0, 0, 0, 0, 0, pad)).view(nb, KEY_BLOCK, Hkv, Dv).permute(2, 0, 1, 3)
+    # P @ V: items [RT, KB] @ [KB, Dv] per key block, the blocks summed in order (trailing
+    # blocks a row may not see are exact zeros: no-ops).
+    vb = F.pad(v[:T], (0, 0, 0, 0, 0, pad)).view(nb, KB, Hkv, Dv).permute(2, 0, 1, 3) \
+        .contiguous()                                                  # [Hkv, nb, KB, Dv]
     out = torch.empty((Hkv, R, Dv), dtype=torch.float32, device=qh.device)
     for h in range(Hkv):
-        pv = torch.bmm(p[h].view(Rp, nb, KEY_BLOCK).transpose(0, 1), vb[h])   # [nb, Rp, Dv]
-        acc = pv[0].float()
-        for b in range(1, nb):                    # sequential: trailing zero blocks are no-ops
-            acc.add_(pv[b])
+        if nt == 1:
+            pv = _exact.items("pv", p[h].view(RT, nb, KB).transpose(0, 1), vb[h])
+            acc = pv[0].float()
+            for b in range(1, nb):
+                acc.add_(pv[b])
+        else:
+            ph = p[h].view(nt, RT, Tp)
+            acc = _exact.items("pv", ph[:, :, :KB], vb[h, 0].expand(nt, KB, Dv)).float()
+            for b in range(1, nb):
+                acc.add_(_exact.items("pv", ph[:, :, b * KB:(b + 1) * KB],
+                                      vb[h, b].expand(nt, KB, Dv)))
+            acc = acc.view(Rp, Dv)
         out[h] = acc[:R]
     return out.view(Hkv, G, M, Dv).permute(2, 0, 1, 3).reshape(M, Hkv * G, Dv)
+
+
+def _attention_tiles_adapt(Dk: int, Dv: int, qdt: torch.dtype, vdt: torch.dtype) -> bool:
+    """Whether the score and ``P @ V`` items give a row the same bits in any tile size."""
+    def operands(K: int, N: int, dt: torch.dtype):
+        def make(T: int) -> tuple[torch.Tensor, torch.Tensor]:
+            g = torch.Generator().manual_seed(T + K + N)
+            return (torch.randn(1, T, K, generator=g).to(dt),
+                    torch.randn(1, K, N, generator=g).to(dt))
+        return make
+    return (_exact.tiles(1, ("scores", Dk, KEY_BLOCK, qdt), operands(Dk, KEY_BLOCK, qdt))
+            == [_exact.TILE_STEP]
+            and _exact.tiles(1, ("pv", KEY_BLOCK, Dv, vdt), operands(KEY_BLOCK, Dv, vdt))
+            == [_exact.TILE_STEP])
 
 
 def _attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,

@@ -59,6 +59,7 @@ class ServerConfig:
     max_running_requests: int = 64
     chunked_prefill_size: int = 512
     exact: bool | None = None          # batch-invariant kernels (default: on CPU)
+    threads: int = 0                   # torch threads per process (0: torch's own / TP's share)
     record_events: bool = False        # keep the cache's event log in memory
     # L3 (SGLang's names): backend None = no L3
     hicache_storage_backend: str | None = None       # file | mooncake | memory
@@ -106,6 +107,8 @@ class ServerConfig:
     snapshot_dir: str | None = None    # every --cp/--tp/--pp rank writes tree-rank{r}.snapshot
 
     def __post_init__(self) -> None:
+        if not 0 <= self.threads <= 1024:
+            raise ValueError(f"--threads must be 0..1024, got {self.threads}")
         if self.cp < 1:
             raise ValueError(f"--cp must be >= 1, got {self.cp}")
         if not 1 <= self.tp <= 8:

@@ -13,6 +13,8 @@ import tempfile
 import time
 from typing import Any
 
+import torch
+
 from engine.cache.events import EventLog, RankInfo
 from engine.cache.facade import CacheConfig, HiCache
 from engine.core.device import resolve_device
@@ -25,6 +27,12 @@ from engine.runtime.serving.model_id import model_tag, model_tokenizer
 from engine.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("hicache.server")
+
+
+def _exact_report() -> list[str]:
+    from engine.runtime.model import exact
+
+    return exact.report()
 
 
 class Engine:
@@ -55,11 +63,19 @@ class Engine:
 
             backend, self.device = probe_backend(self.device, world, rank)
             self._restore_threads = share_cores(self.device, world // cfg.nnodes)
+        if cfg.threads:                 # --threads: this process's torch threads
+            before, restore = torch.get_num_threads(), self._restore_threads
+            torch.set_num_threads(cfg.threads)
+            self._restore_threads = restore or (lambda: torch.set_num_threads(before))
         self.model: Model = load_model(cfg.model, self.device, seed=cfg.seed, exact=cfg.exact)
         t0 = time.perf_counter()          # the weights as loaded, before any TP/PP split
         self.weights_digest = weights_digest(self.model.w)
         self.fingerprint_s = time.perf_counter() - t0
         full_cfg = self.model.cfg
+        if cfg.ranks == 1 and cfg.pp == 1:   # the exact path's start-up probe (one process)
+            from engine.runtime.model.probe import check_exact
+
+            check_exact(self.model, tokens=100)
         self.num_params = self.model.cfg.num_params()     # of the whole model (before TP/PP)
         if cfg.tp > 1:                  # a shape that does not split: said before spawning
             from engine.runtime.tp_serve import check_model
@@ -398,7 +414,8 @@ class Engine:
         mc = self.model.cfg
         return {"model": mc.name, "attention": mc.attention.value, "layers": mc.num_layers,
                 "params": self.num_params, "device": self.device,
-                "exact_kernels": self.model.exact, "page_size": self.cfg.page_size,
+                "exact_kernels": self.model.exact, "threads": torch.get_num_threads(),
+                "exact_fallbacks": _exact_report(), "page_size": self.cfg.page_size,
                 "l1_tokens": self.cfg.l1_tokens, "l2_tokens": self.l2_tokens,
                 "host_layout": self.cfg.host_layout, "write_policy": self.cfg.write_policy,
                 "radix_cache": not self.cfg.disable_radix_cache,
