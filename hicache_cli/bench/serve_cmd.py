@@ -130,6 +130,11 @@ PdReuse = Annotated[str, _O("--pd-decode-reuse", help="on: the decode worker reu
                             "KV crosses the link.")]
 PdTimeout = Annotated[float, _O("--pd-transfer-timeout", help="Seconds a request waits for its "
                                 "KV on the link before it fails.")]
+PdLinkTimeout = Annotated[float, _O("--pd-link-timeout", help="Seconds one P/D link send or "
+                                    "receive may take; an idle link is pinged well within it.")]
+HeartbeatTimeout = Annotated[float, _O("--rank-heartbeat-timeout", help="Seconds a rank or "
+                                       "P/D worker process may miss its heartbeats before it "
+                                       "is killed and named (0: no watch).")]
 PdFault = Annotated[Optional[str], _O("--pd-inject-fault", help="Debug (prefill worker): "
                                       "die-after-layers:N or delay:SECONDS.")]
 Pp = Annotated[int, _O("--pp", min=1, max=8, help="Pipeline parallelism: split the layers over "
@@ -179,6 +184,7 @@ def serve_cmd(
     pp_sync: PpSync = True, pp_micro_batches: PpMicro = 0, transfer_delay: TransferDelay = None,
     collective_timeout: CollectiveTimeout = 60.0, cp: Cp = 1, tp: Tp = 1, nnodes: NNodes = 1,
     node_rank: NodeRank = 0, dist_init_addr: DistInitAddr = None,
+    pd_link_timeout: PdLinkTimeout = 60.0, rank_heartbeat_timeout: HeartbeatTimeout = 5.0,
     log_level: Level = LogLevel.warning, fmt: Format = OutputFormat.human,
 ) -> None:
     """Run the benchmark server until Ctrl-C / SIGTERM (--format json: also one JSON line with
@@ -192,6 +198,11 @@ def serve_cmd(
     opts = dict(locals())
     _prepare(log_level, disaggregation)
     cfg = _server_config(opts)
+    if disaggregation in ("prefill", "decode"):
+        from engine.parallel.rendezvous import launch_secret
+
+        with usage():                     # the two commands must share HICACHE_RANK_SECRET
+            launch_secret(required=True)
     if disaggregation in ("prefill", "pd"):
         _serve_pd(cfg, fmt, dump_tree_on_exit)
         return
@@ -301,7 +312,9 @@ def _server_config(o: dict):
             pp=o["pp"], pp_sync=o["pp_sync"], pp_micro_batches=o["pp_micro_batches"],
             debug_transfer_delay=o["transfer_delay"],
             collective_timeout_s=o["collective_timeout"], cp=o["cp"], tp=o["tp"],
-            nnodes=o["nnodes"], node_rank=o["node_rank"], dist_init_addr=o["dist_init_addr"])
+            nnodes=o["nnodes"], node_rank=o["node_rank"], dist_init_addr=o["dist_init_addr"],
+            pd_link_timeout=o["pd_link_timeout"],
+            rank_heartbeat_timeout_s=o["rank_heartbeat_timeout"])
 
 
 def _dump_path(dump_tree_on_exit: Optional[str], cfg) -> tuple[Optional[Path], Any]:
