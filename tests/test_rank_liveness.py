@@ -144,7 +144,7 @@ def _is_helper(pid: int) -> bool:
 
 PID_LOG = {"tp2": r"TP rank 1: pid (\d+)", "cp2": r"CP rank 1: pid (\d+)",
            "pp2": r"pipeline stage 1: pid (\d+)", "pd": r"P/D decode worker: pid (\d+)"}
-NAME = {"tp2": "TP rank 1", "cp2": "CP rank 1", "pp2": "pipeline stage 1", "pd": "decode worker"}
+NAME = {"tp2": "rank 1", "cp2": "rank 1", "pp2": "pipeline stage 1", "pd": "decode worker"}
 
 
 @pytest.mark.parametrize("mode", list(MODES), ids=list(MODES))

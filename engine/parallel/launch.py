@@ -54,8 +54,6 @@ def check_nodes(world: int, nnodes: int, node_rank: int, addr: str | None,
         raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
     if addr is not None:
         parse_addr(addr)
-    if nnodes > 1:
-        launch_secret(nnodes)          # every node needs the same HICACHE_RANK_SECRET
 
 
 def node_ranks(world: int, nnodes: int, node_rank: int) -> range:

@@ -127,6 +127,13 @@ class RankScheduler(Scheduler):
             self._pending = []
             return
         items = self._pull_inbox(block)
+        if self._broken:           # the loop's exit path after a lost rank: fail, not queue
+            for kind, item in items:
+                if kind == "req":
+                    self._finish(item, FinishReason.ERROR, error=self.last_error)
+                else:
+                    self._handle(kind, item)
+            return
         if self._stepping:         # not when the loop's exit path drains what is left
             try:
                 self._collective([_wire(k, i) for k, i in items if k != "call"])
@@ -196,8 +203,7 @@ class Followers:
         self.procs = RankProcesses(follower_main, ranks, (world, self.rendezvous, cfg,
                                                           timeout_s),
                                    name=f"{label.lower()}-rank",
-                                   heartbeat_timeout_s=cfg.rank_heartbeat_timeout_s,
-                                   label=lambda r: f"{label} rank {r}")
+                                   heartbeat_timeout_s=cfg.rank_heartbeat_timeout_s)
         for r, pid in self.procs.pids().items():
             log.info("%s rank %d: pid %d", label, r, pid)
         self._watch: threading.Thread | None = None

@@ -182,6 +182,10 @@ class ServerConfig:
                  if v > 1]
         what = " ".join(parts) + (f" ({world})" if len(parts) > 1 else "")
         check_nodes(world, self.nnodes, self.node_rank, self.dist_init_addr, what)
+        if self.nnodes > 1:
+            from engine.parallel.rendezvous import launch_secret
+
+            launch_secret(self.nnodes)    # every node needs the same HICACHE_RANK_SECRET
 
     def spec_config(self) -> Any:
         """The speculative-decoding settings, or None when off (checks the options)."""
