@@ -214,3 +214,33 @@ def test_a_killed_server_leaves_no_worker_behind(mode):
     for k in left:
         os.kill(k, signal.SIGKILL)
     assert left == [], f"orphaned workers: {left}"
+
+
+def test_a_store_client_without_the_secret_can_neither_read_nor_change_the_groups_keys(
+        monkeypatch):
+    """The rendezvous in one process: what the group stores lives under the secret's prefix;
+    a raw client (or one with another secret) does not find it and cannot overwrite it."""
+    import torch.distributed as dist
+
+    from engine.parallel.rendezvous import Rendezvous, launch_secret, split_addr
+
+    rdv = Rendezvous.host(None, launch_secret())
+    host, port = split_addr(rdv.addr)
+    assert host == "127.0.0.1"
+    assert ("0.0.0.0", port) not in listeners([os.getpid()])
+    group = rdv.store(5.0)                                    # the server, prefixed
+    group.set("rank_0", "the real address")
+    raw = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=5),
+                        wait_for_workers=False)
+    other = Rendezvous(rdv.addr, "another-secret-" + "z" * 16).store(5.0)
+    assert not raw.check(["rank_0"]) and not other.check(["rank_0"])
+    raw.set("rank_0", "evil")
+    other.set("rank_0", "evil")
+    assert group.get("rank_0") == b"the real address"
+    monkeypatch.delenv("HICACHE_RANK_SECRET", raising=False)
+    assert launch_secret() != launch_secret()                 # drawn per launch
+    with pytest.raises(ValueError, match="HICACHE_RANK_SECRET"):
+        launch_secret(nnodes=2)
+    monkeypatch.setenv("HICACHE_RANK_SECRET", "short")
+    with pytest.raises(ValueError, match="at least 16"):
+        launch_secret(nnodes=2)
