@@ -26,7 +26,9 @@ from tests.serve_client import prompt, spawn
 
 MODES = {"tp2": ["--tp", "2"], "cp2": ["--cp", "2"], "pp2": ["--pp", "2"],
          "pd": ["--disaggregation", "pd"]}
-HB = ["--rank-heartbeat-timeout", "2"]
+# every other timeout well past the request's 60 s: only the heartbeats can fail it in time
+HB = ["--rank-heartbeat-timeout", "2", "--collective-timeout", "120", "--pd-link-timeout", "120",
+      "--pd-transfer-timeout", "120"]
 SP = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
 
 
@@ -173,13 +175,10 @@ def test_ranks_listen_on_loopback_shrug_off_strangers_and_a_stopped_one_is_named
         target = int(re.search(PID_LOG[mode], log.read_text()).group(1))
         name = NAME[mode]
         os.kill(target, signal.SIGSTOP)
-        t0 = time.monotonic()
         try:
             r = generate(url, prompt(30, 8), timeout=60)
-            waited = time.monotonic() - t0
             assert r.status_code == 503, r.text
             assert name in r.text and "stopped answering" in r.text, r.text
-            assert waited < 30, waited                 # not the collective / link timeout
             try:
                 h = requests.get(url + "/health", timeout=10)
                 assert h.status_code == 503 and name in h.text, h.text
