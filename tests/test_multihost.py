@@ -28,6 +28,7 @@ import pytest
 from typer.testing import CliRunner
 
 from hicache_cli.app import app
+from tests.test_rank_liveness import descendants, listeners
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "conversation_trace_head400.jsonl.gz")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -164,6 +165,10 @@ def test_serve_on_two_nodes_equals_one_node(two_hosts, tmp_path, mode):
     try:
         assert _first_line(n1)["ranks"] == [1]
         url = _first_line(n0)["url"]
+        # node 0's rendezvous binds the given address, nothing listens on the wildcard
+        socks = listeners([n0.pid, *descendants(n0.pid)])
+        assert ("10.231.7.1", 29533) in socks, socks
+        assert not [s for s in socks if s[0] in ("0.0.0.0", "::")], socks
         got = _client(a, url)                        # node 0's HTTP, from inside its host
         one = _client(None, _first_line(single)["url"])
     finally:

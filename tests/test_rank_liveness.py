@@ -73,8 +73,9 @@ def listeners(pids: list[int]) -> list[tuple[str, int]]:
                     inodes.add(m.group(1))
         except OSError:
             continue
-    out = []
-    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+    out: list[tuple[str, int]] = []
+    tables = {(f"/proc/{pid}/net/tcp{v}", v == "6") for pid in pids for v in ("", "6")}
+    for table, v6 in sorted(tables):       # each process's own network namespace
         try:
             rows = open(table).read().splitlines()[1:]
         except OSError:
@@ -89,7 +90,8 @@ def listeners(pids: list[int]) -> list[tuple[str, int]]:
                                                        int(hexip[:24], 16) == 0 else hexip)
             else:
                 ip = ".".join(str(int(hexip[i:i + 2], 16)) for i in (6, 4, 2, 0))
-            out.append((ip, int(hexport, 16)))
+            if (ip, int(hexport, 16)) not in out:
+                out.append((ip, int(hexport, 16)))
     return out
 
 
