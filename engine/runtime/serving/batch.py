@@ -195,14 +195,14 @@ class Batch:
     def failure(self) -> web.Response | None:
         for s in self.subs:
             if s.reason == "error":       # a lost rank or worker: 503, the server cannot serve
-                return error_response(503 if self._unavailable(s.error) else 500,
+                return error_response(503 if self.unavailable(s.error) else 500,
                                       s.error or "internal error", "server_error")
             if s.reason == "abort":
                 return error_response(503, "the request was aborted (server shutting down)",
                                       "overloaded")
         return None
 
-    def _unavailable(self, error: str | None) -> bool:
+    def unavailable(self, error: str | None) -> bool:
         """Whether a request failed because the server lost part of itself (a rank, a stage,
         the prefill worker), not because of the request."""
         eng = self.engine
