@@ -74,7 +74,7 @@ def test_pd_transfer_in_meta_info_and_metrics():
 def test_prefill_worker_dies_mid_transfer():
     with start(pd_inject_fault="die-after-layers:1") as h:
         r = generate(h, toks(300, 21))
-        assert r.status_code == 500
+        assert r.status_code == 503
         assert "prefill worker down" in r.json()["error"]["message"]
         assert clean(h) == []
         assert h.engine.cache.stats()["l1_used_tokens"] == 0   # the own pages went back
@@ -82,7 +82,7 @@ def test_prefill_worker_dies_mid_transfer():
         assert health.status_code == 503
         assert "prefill worker down" in health.json()["error"]["message"]
         again = generate(h, toks(50, 22))                # fails fast, the front end answers
-        assert again.status_code == 500 and "prefill worker down" in again.text
+        assert again.status_code == 503 and "prefill worker down" in again.text
         text = requests.get(h.url + "/metrics", timeout=30).text
         assert metric(text, "hicache_pd_link_up") == 0
         assert metric(text, "hicache_pd_failed_transfers_total") >= 1
@@ -117,9 +117,9 @@ def test_bad_options_are_usage_errors(bad, msg):
 
 
 
-def test_prefill_and_decode_roles_as_separate_commands(tmp_path):
+def test_prefill_and_decode_roles_as_separate_commands(tmp_path, monkeypatch):
     """The multi-host shape: ``bench serve --disaggregation prefill`` in its own process, a
-    decode server linking to it by address."""
+    decode server linking to it by address; both with the same HICACHE_RANK_SECRET."""
     import os
     import subprocess
     import sys
@@ -127,6 +127,8 @@ def test_prefill_and_decode_roles_as_separate_commands(tmp_path):
     from engine.parallel.launch import free_port
 
     port = free_port()
+    secret = "pd-test-secret-" + "y" * 20
+    monkeypatch.setenv("HICACHE_RANK_SECRET", secret)
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     pre = subprocess.Popen([sys.executable, "-m", "hicache_cli.app", "bench", "serve",
                             "--disaggregation", "prefill", "--pd-addr", f"127.0.0.1:{port}",
@@ -146,10 +148,18 @@ def test_prefill_and_decode_roles_as_separate_commands(tmp_path):
             pre.kill()
 
 
-def test_cli_usage_errors():
+def test_cli_usage_errors(monkeypatch):
     from typer.testing import CliRunner
 
     from hicache_cli.app import app
+
+    monkeypatch.delenv("HICACHE_RANK_SECRET", raising=False)
+    r = CliRunner().invoke(app, ["bench", "serve", "--disaggregation", "prefill",
+                                 "--pd-addr", "127.0.0.1:5999"])
+    assert r.exit_code == 2 and "HICACHE_RANK_SECRET" in r.output
+    r = CliRunner().invoke(app, ["bench", "serve", "--disaggregation", "pd",
+                                 "--pd-link-timeout", "0"])
+    assert r.exit_code == 2 and "--pd-link-timeout" in r.output
 
     r = CliRunner().invoke(app, ["bench", "serve", "--disaggregation", "decode"])
     assert r.exit_code == 2 and "--pd-addr" in r.output

@@ -4,17 +4,20 @@ with a message naming it instead of waiting forever.
 
 Multi-host, as in SGLang: a group of ``world`` ranks spreads evenly over ``nnodes`` hosts, node
 ``R`` running ranks ``R*k … R*k+k-1`` (``k = world / nnodes``); every rank meets at the
-rendezvous ``HOST:PORT`` (``--dist-init-addr``), which rank 0 — on node 0 — hosts.
+rendezvous ``HOST:PORT`` (``--dist-init-addr``), which rank 0 — on node 0 — hosts. The
+rendezvous binds that address only (``127.0.0.1`` on one host) and takes only keys derived from
+the launch's secret (engine.parallel.rendezvous); every rank process beats, and exits with its
+parent.
 """
 
 from __future__ import annotations
 
-import datetime
 import socket
 import traceback
 from typing import Any, Callable
 
 from engine.core.errors import HiCacheError
+from engine.parallel.rendezvous import DEFAULT_HEARTBEAT_TIMEOUT_S, Rendezvous, Watchdog, child_setup, launch_secret
 
 
 class RankFailed(HiCacheError):
@@ -59,28 +62,51 @@ def node_ranks(world: int, nnodes: int, node_rank: int) -> range:
     return range(node_rank * k, (node_rank + 1) * k)
 
 
+def _child(target: Callable, beat: tuple | None, *args: Any) -> None:
+    child_setup(beat)                  # exit with the parent; beat for its watchdog
+    target(*args)
+
+
 class RankProcesses:
     """The rank processes this host runs: ``target(rank, *args)`` for each rank, spawned (a
-    module-level function: it is imported by name). Watches them and names the dead."""
+    module-level function: it is imported by name). Watches them and names the dead: a rank
+    silent for ``heartbeat_timeout_s`` (stopped, frozen; 0: no watch) is killed and named as
+    such. Every rank exits when this process dies."""
 
-    def __init__(self, target: Callable, ranks: Any, args: tuple, name: str = "rank"):
+    def __init__(self, target: Callable, ranks: Any, args: tuple, name: str = "rank",
+                 heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+                 label: Callable[[int], str] = lambda r: f"rank {r}"):
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
-        self.procs = {r: ctx.Process(target=target, args=(r, *args), name=f"hicache-{name}{r}",
-                                     daemon=True) for r in ranks}
+        ranks = list(ranks)
+        self.label = label
+        self.watchdog = Watchdog(ctx, max(1, len(ranks)), heartbeat_timeout_s)
+        self.procs = {r: ctx.Process(target=_child,
+                                     args=(target, self.watchdog.beat(i), r, *args),
+                                     name=f"hicache-{name}{r}", daemon=True)
+                      for i, r in enumerate(ranks)}
         for p in self.procs.values():
             p.start()
+        self.watchdog.watch({r: (i, self.procs[r]) for i, r in enumerate(ranks)}, label)
 
     def pids(self) -> dict[int, int]:
         return {r: p.pid for r, p in self.procs.items()}
 
+    def silent(self) -> list[str]:
+        """Why each rank the watchdog killed was killed."""
+        return list(self.watchdog.silent.values())
+
     def dead(self) -> list[str]:
-        """``rank R exited (code C)`` for every rank gone, killed ones first (a rank that
-        exits with code 1 may only have lost its peers)."""
-        gone = [(r, p.exitcode) for r, p in self.procs.items() if not p.is_alive()]
+        """``rank R exited (code C)`` for every rank gone, silent (killed by the watchdog)
+        ones first, then killed ones (a rank that exits with code 1 may only have lost its
+        peers)."""
+        silent = self.watchdog.silent
+        gone = [(r, p.exitcode) for r, p in self.procs.items()
+                if r not in silent and not p.is_alive()]
         gone.sort(key=lambda rc: (rc[1] == 1, rc[0]))
-        return [f"rank {r} exited (code {c})" for r, c in gone]
+        return [silent[r] for r in sorted(silent)] + \
+            [f"{self.label(r)} exited (code {c})" for r, c in gone]
 
     def wait(self, on_exit: Callable[[int, int], None] | None = None) -> list[str]:
         """Block until every rank has exited (``on_exit(rank, code)`` as each one that failed
@@ -98,6 +124,7 @@ class RankProcesses:
         return [d for d in self.dead() if not d.endswith("(code 0)")]
 
     def join(self, timeout: float = 10.0) -> None:
+        self.watchdog.close()
         for p in self.procs.values():
             p.join(timeout)
             if p.is_alive():
@@ -113,17 +140,14 @@ class ExitBoard:
 
     KEY = "hicache/exit/rank{}"
 
-    def __init__(self, addr: str, timeout_s: float = 2.0):
-        self.host, self.port = parse_addr(addr)
+    def __init__(self, rendezvous: Rendezvous, timeout_s: float = 2.0):
+        self.rendezvous = Rendezvous(rendezvous.addr, rendezvous.secret)   # a client's
         self.timeout_s = timeout_s
         self._store: Any = None
 
     def _client(self) -> Any:
         if self._store is None:
-            import torch.distributed as dist
-
-            self._store = dist.TCPStore(self.host, self.port, is_master=False,
-                                        timeout=datetime.timedelta(seconds=self.timeout_s))
+            self._store = self.rendezvous.store(self.timeout_s, server=False)
         return self._store
 
     def post(self, rank: int, code: int) -> None:
@@ -150,14 +174,13 @@ class ExitBoard:
         return [f"{what} {r} exited (code {c}) on another node" for r, c in self.posted(ranks)]
 
 
-def _main(rank: int, world: int, port: int, timeout_s: float, target: Callable, args: tuple,
-          out: Any) -> None:
+def _main(rank: int, world: int, rdv: Rendezvous, timeout_s: float, target: Callable,
+          args: tuple, out: Any) -> None:
     import torch.distributed as dist
 
+    child_setup(None)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        rdv.join(rank, world, timeout_s)
         try:
             result = target(rank, world, *args)
         finally:
@@ -178,8 +201,9 @@ def run_ranks(target: Callable, world: int, *args: Any, timeout_s: float = 60.0,
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_main, args=(r, world, port, collective_timeout_s, target, args,
+    rdv = Rendezvous.host(None, launch_secret())
+    server = rdv.store(collective_timeout_s)      # this process hosts it; every rank joins
+    procs = [ctx.Process(target=_main, args=(r, world, rdv, collective_timeout_s, target, args,
                                              out), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
@@ -217,4 +241,5 @@ def run_ranks(target: Callable, world: int, *args: Any, timeout_s: float = 60.0,
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+        del server
     return [results[r] for r in range(world)]

@@ -16,7 +16,6 @@ the dead rank, ``/health`` answers 503 with it, and the server shuts down.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import signal
@@ -25,7 +24,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from engine.parallel.launch import ExitBoard, RankFailed, RankProcesses, free_port, node_ranks
+from engine.parallel.launch import ExitBoard, RankFailed, RankProcesses, node_ranks
+from engine.parallel.rendezvous import Rendezvous, launch_secret
 from engine.runtime.cp_kv import ShardedKV
 from engine.runtime.scheduler.core import Scheduler
 from engine.runtime.scheduler.params import FinishReason
@@ -78,11 +78,12 @@ class RankScheduler(Scheduler):
             if any("(code 1)" not in d for d in dead):
                 break
             threading.Event().wait(0.1)
-        if dead:
-            return RankFailed(f"{dead[0]}; the {self.group_name} group cannot continue")
         first = str(exc).splitlines()[0] if str(exc) else ""
-        return RankFailed(f"a {self.group_name} collective failed ({type(exc).__name__}: "
-                          f"{first}); a rank died or hung")
+        failed = RankFailed(f"{dead[0]}; the {self.group_name} group cannot continue" if dead
+                            else f"a {self.group_name} collective failed ({type(exc).__name__}: "
+                                 f"{first}); a rank died or hung")
+        self.last_error = str(failed)     # before any request hears of it (their 503s)
+        return failed
 
     def step(self, block: bool = False) -> bool:
         if self.leader:
@@ -126,8 +127,23 @@ class RankScheduler(Scheduler):
             self._pending = []
             return
         items = self._pull_inbox(block)
+        if self._broken:           # the loop's exit path after a lost rank: fail, not queue
+            for kind, item in items:
+                if kind == "req":
+                    self._finish(item, FinishReason.ERROR, error=self.last_error)
+                else:
+                    self._handle(kind, item)
+            return
         if self._stepping:         # not when the loop's exit path drains what is left
-            self._collective([_wire(k, i) for k, i in items if k != "call"])
+            try:
+                self._collective([_wire(k, i) for k, i in items if k != "call"])
+            except RankFailed as exc:   # what it took from the inbox fails with the group
+                for kind, item in items:
+                    if kind == "req":
+                        self._finish(item, FinishReason.ERROR, error=str(exc))
+                    elif kind == "call":
+                        self._handle(kind, item)
+                raise
         for kind, item in items:
             self._handle(kind, item)
 
@@ -171,11 +187,9 @@ def sharded_source(cache, rank: int, group=None) -> Callable:
     return source
 
 
-def init_group(rank: int, world: int, addr: str, timeout_s: float) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://{addr}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+def init_group(rank: int, world: int, rdv: Rendezvous, timeout_s: float) -> None:
+    """Join the group at ``rdv`` (rank 0 hosts it on the socket it bound)."""
+    rdv.join(rank, world, timeout_s)
 
 
 class Followers:
@@ -184,16 +198,19 @@ class Followers:
     them, watches them, names the dead."""
 
     def __init__(self, cfg, world: int, timeout_s: float = 60.0, label: str = "CP"):
-        self.addr = cfg.dist_init_addr or f"127.0.0.1:{free_port()}"
+        self.rendezvous = Rendezvous.host(cfg.dist_init_addr, launch_secret(cfg.nnodes))
+        self.addr = self.rendezvous.addr
         ranks = [r for r in node_ranks(world, cfg.nnodes, 0) if r != 0]
-        self.procs = RankProcesses(follower_main, ranks, (world, self.addr, cfg, timeout_s),
-                                   name=f"{label.lower()}-rank")
+        self.procs = RankProcesses(follower_main, ranks, (world, self.rendezvous, cfg,
+                                                          timeout_s),
+                                   name=f"{label.lower()}-rank",
+                                   heartbeat_timeout_s=cfg.rank_heartbeat_timeout_s)
         for r, pid in self.procs.pids().items():
             log.info("%s rank %d: pid %d", label, r, pid)
         self._watch: threading.Thread | None = None
         local = set(node_ranks(world, cfg.nnodes, 0))
         self.remote = [r for r in range(world) if r not in local]   # on the other nodes
-        self.board = ExitBoard(self.addr) if self.remote else None
+        self.board = ExitBoard(self.rendezvous) if self.remote else None
 
     def dead(self) -> list[str]:
         """The ranks that exited: this node's, then those the other nodes posted."""
@@ -229,7 +246,7 @@ def stop_server(message: str) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def follower_main(rank: int, world: int, addr: str, cfg, timeout_s: float) -> None:
+def follower_main(rank: int, world: int, addr: Rendezvous, cfg, timeout_s: float) -> None:
     """A follower rank: the same engine without HTTP, stepping when the leader steps. Halted by
     the leader, it writes its rank log (``cfg.rank_log_dir``) and tree snapshot
     (``cfg.snapshot_dir``) and exits 0; a lost group exits 1."""

@@ -15,6 +15,7 @@ import signal
 from typing import Any, Callable
 
 from engine.parallel.launch import ExitBoard, RankProcesses, node_ranks
+from engine.parallel.rendezvous import Rendezvous, launch_secret
 
 
 def _terminate(signum: int, frame: Any) -> None:
@@ -30,14 +31,15 @@ def serve_node(cfg: Any, on_ready: Callable[[dict], None] | None = None) -> list
     else:
         from engine.runtime.pipeline import stage_worker as target
     ranks = node_ranks(world, cfg.nnodes, cfg.node_rank)
+    rdv = Rendezvous(cfg.dist_init_addr, launch_secret(cfg.nnodes))
     previous = signal.signal(signal.SIGTERM, _terminate)
-    group = RankProcesses(target, ranks, (world, cfg.dist_init_addr, cfg,
-                                          cfg.collective_timeout_s),
-                          name="rank" if cfg.ranks > 1 and cfg.pp == 1 else "stage")
+    group = RankProcesses(target, ranks, (world, rdv, cfg, cfg.collective_timeout_s),
+                          name="rank" if cfg.ranks > 1 and cfg.pp == 1 else "stage",
+                          heartbeat_timeout_s=cfg.rank_heartbeat_timeout_s)
     try:
         if on_ready is not None:
             on_ready(group.pids())
-        board = ExitBoard(cfg.dist_init_addr)      # node 0 names our dead ranks
+        board = ExitBoard(rdv)                     # node 0 names our dead ranks
         return group.wait(on_exit=board.post)
     finally:
         group.join(timeout=0)            # stopped here: what still runs is killed

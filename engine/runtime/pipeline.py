@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import datetime
 import logging
 import os
 import signal
@@ -162,6 +161,7 @@ class PipelineScheduler(Scheduler):
         self.sync = PPSync(links_for(stage, num_stages, ack_groups, self.column, peers),
                            enabled=pp_sync, timeout_s=timeout_s)
         self._flush_pending: str | None = None
+        self._unsent: list = []
         self._stopping = False
         # stage 0: which stage is gone, if one is (the engine's view of the stage processes)
         self.dead_stage: Callable[[], str | None] = lambda: None
@@ -195,8 +195,10 @@ class PipelineScheduler(Scheduler):
                 msg.append(("shutdown", None))
             msg += self._l3_overdue()
             pending = {i.rid: i for k, i in events if k == "req"}
+            self._unsent = list(pending.values())   # failed with the pipeline if it is lost
         box = [msg]
         torch.distributed.broadcast_object_list(box, src=0)
+        self._unsent = []
         for kind, item in box[0]:
             if kind == "req":
                 self._handle("req", pending[item[0]] if self.leader else self._rebuild(item))
@@ -354,6 +356,8 @@ class PipelineScheduler(Scheduler):
                                f"pipeline stopped: stage {self.stage} lost its link to the other "
                                f"stages (one died or hung): {type(exc).__name__}: {first_line}")
             self._fail_all(self.last_error)
+            for r in self._unsent:          # taken from the inbox by the step that failed
+                self._finish(r, FinishReason.ERROR, error=self.last_error)
         finally:
             for r in list(self._running) + list(self._waiting):
                 if r.phase is not _Phase.DONE:
@@ -374,9 +378,10 @@ class PipelineScheduler(Scheduler):
         self.sync.close()
 
 
-def stage_worker(rank: int, world: int, addr: str, cfg: Any, timeout_s: float) -> None:
+def stage_worker(rank: int, world: int, addr: Any, cfg: Any, timeout_s: float) -> None:
     """Main of a pipeline rank process (global ``rank >= 1`` of ``world = pp × tp × cp``): join
-    the group at the rendezvous ``addr`` (HOST:PORT), build its stage (stage ``rank // (tp·cp)``,
+    the group at the rendezvous ``addr`` (a :class:`~engine.parallel.rendezvous.Rendezvous`),
+    build its stage (stage ``rank // (tp·cp)``,
     group rank ``rank % (tp·cp)``), serve until rank 0 says stop. A lost group (a peer died or
     hung) is one line and exit code 1."""
     import torch.distributed as dist
@@ -386,8 +391,7 @@ def stage_worker(rank: int, world: int, addr: str, cfg: Any, timeout_s: float) -
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C goes to rank 0, which stops us
     stage, index = divmod(rank, cfg.ranks)
-    dist.init_process_group("gloo", init_method=f"tcp://{addr}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    addr.join(rank, world, timeout_s)
     eng = Engine(cfg, stage=stage, cp_rank=index)
     try:
         eng.scheduler.serve_stage()

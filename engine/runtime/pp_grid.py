@@ -120,35 +120,36 @@ def rank_name(rank: int, tp: int = 1, cp: int = 1) -> str:
     return f"stage {stage} {' '.join(parts)} (rank {rank})"
 
 
-def start_ranks(cfg: Any) -> tuple[list[int], list, tuple | None]:
+def start_ranks(cfg: Any) -> tuple[list[int], Any, tuple | None]:
     """Rank 0 of a pipeline: start this node's other ranks (all of them on one host; with
     ``--nnodes`` the other nodes start theirs) as processes and join the group. Returns their
-    global ranks, their processes and, when some run on other nodes, ``(ExitBoard, those
-    ranks)`` (they post their exits there)."""
-    import datetime
-
-    import torch.distributed as dist
-
-    from engine.parallel.launch import ExitBoard, RankProcesses, free_port, node_ranks
+    global ranks, their :class:`~engine.parallel.launch.RankProcesses` and, when some run on
+    other nodes, ``(ExitBoard, those ranks)`` (they post their exits there)."""
+    from engine.parallel.launch import ExitBoard, RankProcesses, node_ranks
+    from engine.parallel.rendezvous import Rendezvous, launch_secret
     from engine.runtime.pipeline import stage_worker
 
-    addr = cfg.dist_init_addr or f"127.0.0.1:{free_port()}"
+    rdv = Rendezvous.host(cfg.dist_init_addr, launch_secret(cfg.nnodes))
     world = cfg.pp * cfg.ranks
     local = [r for r in node_ranks(world, cfg.nnodes, 0) if r != 0]
-    group = RankProcesses(stage_worker, local, (world, addr, cfg, cfg.collective_timeout_s),
-                          name="stage")
+    group = RankProcesses(stage_worker, local, (world, rdv, cfg, cfg.collective_timeout_s),
+                          name="stage", heartbeat_timeout_s=cfg.rank_heartbeat_timeout_s,
+                          label=lambda r: f"pipeline {rank_name(r, cfg.tp, cfg.cp)}")
     for r, pid in group.pids().items():
         log.info("pipeline %s: pid %d", rank_name(r, cfg.tp, cfg.cp), pid)
     remote = [r for r in range(1, world) if r not in local]
-    board = (ExitBoard(addr), remote) if remote else None
-    dist.init_process_group("gloo", init_method=f"tcp://{addr}", rank=0, world_size=world,
-                            timeout=datetime.timedelta(seconds=cfg.collective_timeout_s))
-    return local, list(group.procs.values()), board
+    board = (ExitBoard(rdv), remote) if remote else None
+    rdv.join(0, world, cfg.collective_timeout_s)
+    return local, group, board
 
 
-def ranks_health(cfg: Any, ids: list[int], procs: list, board: tuple | None) -> str | None:
-    """Why the pipeline is unhealthy (a rank process gone), or None. A rank killed from outside
-    comes before the ranks that exited (code 1) because they lost it."""
+def ranks_health(cfg: Any, ids: list[int], procs: list, board: tuple | None,
+                 silent: list[str] = ()) -> str | None:
+    """Why the pipeline is unhealthy (a rank process gone), or None. A rank the watchdog
+    killed (``silent``: it stopped answering), then one killed from outside, come before the
+    ranks that exited (code 1) because they lost it."""
+    if silent:
+        return silent[0]
     gone = sorted((p.exitcode == 1, r, p.exitcode) for r, p in zip(ids, procs)
                   if not p.is_alive())
     if gone:

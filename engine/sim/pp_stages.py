@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import time
 import traceback
 from typing import Any
 
 import numpy as np
+
+from engine.parallel.rendezvous import Rendezvous, child_setup, launch_secret
 
 
 @dataclasses.dataclass
@@ -66,12 +67,6 @@ def kv_value(tokens: np.ndarray, positions: np.ndarray, layer: int, kind: int, h
     return v.view(-1, 1, 1).expand(-1, heads, dim)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve_one(cache, toks: np.ndarray, rid: int, layer0: int) -> tuple[Any, int]:
     """One request through the cache; returns the match and how many restored KV rows were wrong."""
     import torch
@@ -108,7 +103,7 @@ def _serve_one(cache, toks: np.ndarray, rid: int, layer0: int) -> tuple[Any, int
     return m, wrong
 
 
-def _stage_main(stage: int, run: StagesRun, port: int, out: Any) -> None:
+def _stage_main(stage: int, run: StagesRun, port: Any, out: Any) -> None:
     import torch.distributed as dist
 
     from engine.cache.events import EventLog, RankInfo
@@ -119,8 +114,8 @@ def _stage_main(stage: int, run: StagesRun, port: int, out: Any) -> None:
     result: dict[str, Any] = {"stage": stage}
     try:
         k = run.num_stages
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=stage,
-                                world_size=k)
+        child_setup(None)                 # exit with the parent
+        port.join(stage, k, 300.0)        # a Rendezvous on 127.0.0.1, keyed by the secret
         groups = adjacent_groups(k)
         per = run.layers // k
         layout = KVLayout(num_layers=per, kv_heads=2, head_dim=4, page_size=run.page_size,
@@ -175,7 +170,8 @@ def run_stages(run: StagesRun, timeout_s: float = 300.0) -> list[dict]:
         raise ValueError(f"{run.layers} layers do not split evenly over {run.num_stages} stages")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = Rendezvous.host(None, launch_secret())
+    server = port.store(300.0)  # noqa: F841 - this process hosts the rendezvous; kept alive
     procs = [ctx.Process(target=_stage_main, args=(s, run, port, out), daemon=True)
              for s in range(run.num_stages)]
     for p in procs:

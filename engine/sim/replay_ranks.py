@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import traceback
 from typing import Any
 
+from engine.parallel.rendezvous import Rendezvous, child_setup, launch_secret
 from engine.sim.replay import ReplayConfig
 
 
@@ -32,13 +32,7 @@ class RankRun:
     init_addr: str | None = None          # HOST:PORT of the rendezvous (node 0); None: local
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, run: RankRun, addr: str, out: Any) -> None:
+def _rank_main(rank: int, run: RankRun, addr: Any, out: Any) -> None:
     import torch.distributed as dist
 
     from engine.cache.events import EventLog, RankInfo
@@ -49,8 +43,8 @@ def _rank_main(rank: int, run: RankRun, addr: str, out: Any) -> None:
 
     result: dict[str, Any] = {"rank": rank}
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://{addr}", rank=rank,
-                                world_size=run.world_size)
+        child_setup(None)                 # exit with the parent
+        addr.join(rank, run.world_size, 300.0)   # a Rendezvous: bound, keyed by the secret
         if run.config.cp_size > 1:     # the ranks are the CP group: one logical tree each
             info = RankInfo(rank=rank, world_size=run.world_size, cp_rank=rank,
                             cp_size=run.world_size)
@@ -108,7 +102,11 @@ def replay_ranks(run: RankRun, timeout_s: float = 600.0) -> list[dict]:
                          f"(node rank {run.node_rank})")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    addr = run.init_addr or f"127.0.0.1:{_free_port()}"
+    secret = launch_secret(run.nnodes)
+    # node 0 hosts the rendezvous in this process (127.0.0.1, or exactly init_addr's host)
+    addr = Rendezvous.host(run.init_addr, secret) if run.node_rank == 0 else \
+        Rendezvous(run.init_addr, secret)
+    server = addr.store(300.0) if run.node_rank == 0 else None  # noqa: F841 - kept alive
     k = run.world_size // run.nnodes
     procs = [ctx.Process(target=_rank_main, args=(r, run, addr, out), daemon=True)
              for r in range(run.node_rank * k, (run.node_rank + 1) * k)]

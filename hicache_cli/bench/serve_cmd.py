@@ -141,6 +141,11 @@ PdReuse = Annotated[str, _O("--pd-decode-reuse", help="on: the decode worker reu
                             "KV crosses the link.")]
 PdTimeout = Annotated[float, _O("--pd-transfer-timeout", help="Seconds a request waits for its "
                                 "KV on the link before it fails.")]
+PdLinkTimeout = Annotated[float, _O("--pd-link-timeout", help="Seconds one P/D link send or "
+                                    "receive may take; an idle link is pinged well within it.")]
+HeartbeatTimeout = Annotated[float, _O("--rank-heartbeat-timeout", help="Seconds a rank or "
+                                       "P/D worker process may miss its heartbeats before it "
+                                       "is killed and named (0: no watch).")]
 PdFault = Annotated[Optional[str], _O("--pd-inject-fault", help="Debug (prefill worker): "
                                       "die-after-layers:N or delay:SECONDS.")]
 Pp = Annotated[int, _O("--pp", "--pp-size", "--pipeline-parallel-size",
@@ -200,6 +205,7 @@ def serve_cmd(
     pp_sync: PpSync = True, pp_micro_batches: PpMicro = 0, transfer_delay: TransferDelay = None,
     collective_timeout: CollectiveTimeout = 60.0, cp: Cp = 1, tp: Tp = 1, nnodes: NNodes = 1,
     node_rank: NodeRank = 0, dist_init_addr: DistInitAddr = None, threads: Threads = 0,
+    pd_link_timeout: PdLinkTimeout = 60.0, rank_heartbeat_timeout: HeartbeatTimeout = 5.0,
     flush_cache_scope: FlushScopeOpt = FlushScopeChoice.cache,
     log_level: Level = LogLevel.warning, fmt: Format = OutputFormat.human,
 ) -> None:
@@ -230,6 +236,11 @@ def _serve_cmd(ctx: typer.Context, opts: dict, log_level: LogLevel, fmt: OutputF
     disaggregation = opts["disaggregation"]
     _prepare(log_level, disaggregation)
     cfg = _server_config(opts)
+    if disaggregation in ("prefill", "decode"):
+        from engine.parallel.rendezvous import launch_secret
+
+        with usage():                     # the two commands must share HICACHE_RANK_SECRET
+            launch_secret(required=True)
     if disaggregation in ("prefill", "pd"):
         _serve_pd(cfg, fmt, dump_tree_on_exit)
         return
@@ -371,7 +382,8 @@ def _server_config(o: dict):
             collective_timeout_s=o["collective_timeout"], cp=o["cp"], tp=o["tp"],
             nnodes=o["nnodes"], node_rank=o["node_rank"], dist_init_addr=o["dist_init_addr"],
             context_length=o["context_length"], flush_cache_scope=o["flush_cache_scope"].value,
-            threads=o["threads"])
+            threads=o["threads"], pd_link_timeout=o["pd_link_timeout"],
+            rank_heartbeat_timeout_s=o["rank_heartbeat_timeout"])
 
 
 def _dump_path(dump_tree_on_exit: Optional[str], cfg) -> tuple[Optional[Path], Any]:

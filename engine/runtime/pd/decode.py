@@ -115,8 +115,13 @@ class PDClient:
     ``totals`` (read by ``/metrics``) sums every request's ``pd_transfer`` in tokens and bytes.
     """
 
-    def __init__(self, link: PDLink, l1: Any, page_size: int, timeout_s: float = 30.0):
+    def __init__(self, link: PDLink, l1: Any, page_size: int, timeout_s: float = 30.0,
+                 keepalive_s: float | None = None):
+        """``keepalive_s``: an idle link sends a ``ping`` this often (default: a quarter of
+        the link's timeout), so the prefill side's wait for a request never times out."""
         self.link, self.l1, self.page_size = link, l1, page_size
+        self.keepalive_s = keepalive_s if keepalive_s is not None else \
+            max(0.05, getattr(link, "timeout_s", 60.0) / 4)
         self.num_layers = l1.layout.num_layers
         self.page_bytes = l1.layout.page_bytes
         self.timeout_s = timeout_s
@@ -167,8 +172,13 @@ class PDClient:
     def _send_loop(self) -> None:
         while True:
             with self._cv:
+                idle_until = time.monotonic() + self.keepalive_s
                 while not self._out and not self._stop and self.down is None:
-                    self._cv.wait()
+                    left = idle_until - time.monotonic()
+                    if left <= 0:
+                        self._out.append({"op": "ping"})    # keep the idle link alive
+                        break
+                    self._cv.wait(left)
                 if self.down is not None or (self._stop and not self._out):
                     return
                 msg = self._out.popleft()

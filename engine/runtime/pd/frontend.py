@@ -6,7 +6,9 @@ and forwards every request to the decode worker unchanged — JSON bodies as the
 streams chunk by chunk — so the API is the decode worker's, i.e. the usual one. ``/health``
 is its own: 503 naming the worker when either process is gone, else the decode worker's answer
 (which reports a broken link). If the decode worker cannot be reached, requests get a 503 and
-the front end stays up.
+the front end stays up. Both workers beat; one silent for ``--rank-heartbeat-timeout`` (stopped,
+frozen) is killed and named, so requests on it fail at once instead of hanging. Both exit when
+the front end dies.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from engine.parallel.rendezvous import SECRET_ENV, Watchdog, child_setup, launch_secret
 from engine.runtime.pd.serve import parse_addr, prefill_main
 from engine.runtime.serving.common import error_response
 from engine.runtime.serving.protocol import MAX_BODY_BYTES
@@ -32,13 +35,19 @@ _STATE: web.AppKey = web.AppKey("pd_frontend", dict)
 WORKER_START_TIMEOUT_S = 300.0
 
 
-def decode_main(cfg: ServerConfig, urls: Any) -> None:
+def decode_main(cfg: ServerConfig, urls: Any, secret: str | None = None,
+                beat: tuple | None = None) -> None:
     """The decode worker process: the usual server (``--disaggregation decode``) on a free
-    port; its URL goes back to the front end."""
+    port; its URL goes back to the front end. ``secret``: the pair's (from the front end, over
+    the spawn pipe); ``beat``: its heartbeat slot."""
+    import os
     import signal
 
     from engine.runtime.serving import serve
 
+    child_setup(beat)
+    if secret:
+        os.environ[SECRET_ENV] = secret       # for this process's link only
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the front end stops this worker (SIGTERM)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s decode %(message)s")
     serve(cfg, on_ready=lambda url, _engine: urls.put(url))
@@ -59,12 +68,20 @@ class Workers:
         dcfg = dataclasses.replace(cfg, disaggregation="decode", pd_addr=addr,
                                    host="127.0.0.1", port=0, pd_inject_fault=None)
         urls = ctx.Queue()
-        self.prefill = ctx.Process(target=prefill_main, args=(pcfg, host, port, True),
+        secret = launch_secret()
+        self.watchdog = Watchdog(ctx, 2, cfg.rank_heartbeat_timeout_s)
+        self.prefill = ctx.Process(target=prefill_main,
+                                   args=(pcfg, host, port, True, secret, self.watchdog.beat(0)),
                                    name="hicache-prefill", daemon=True)
-        self.decode = ctx.Process(target=decode_main, args=(dcfg, urls), name="hicache-decode",
-                                  daemon=True)
+        self.decode = ctx.Process(target=decode_main,
+                                  args=(dcfg, urls, secret, self.watchdog.beat(1)),
+                                  name="hicache-decode", daemon=True)
         self.prefill.start()
         self.decode.start()
+        self.watchdog.watch({"prefill": (0, self.prefill), "decode": (1, self.decode)},
+                            lambda k: f"{k} worker")
+        for name, pid in self.pids().items():
+            log.info("P/D %s worker: pid %d", name, pid)
         try:
             self.decode_url = urls.get(timeout=WORKER_START_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - queue.Empty: the decode worker never came up
@@ -73,14 +90,26 @@ class Workers:
             raise RuntimeError(f"the decode worker did not start (exit code {code})") from None
 
     def down(self) -> str | None:
-        for name, p in (("prefill", self.prefill), ("decode", self.decode)):
-            if not p.is_alive():
-                return f"{name} worker down (exit code {p.exitcode})"
+        """Why the pair cannot serve, naming the worker that failed first: one the watchdog
+        killed (silent), else one that died — before its peer, which exits (code 1) when it
+        loses the link."""
+        if self.watchdog.silent:
+            return next(iter(self.watchdog.silent.values()))
+        gone = [(p.exitcode in (0, 1), name, p.exitcode)
+                for name, p in (("decode", self.decode), ("prefill", self.prefill))
+                if not p.is_alive()]
+        if gone:
+            _, name, code = min(gone)
+            return f"{name} worker down (exit code {code})"
         return None
+
+    def pids(self) -> dict[str, int]:
+        return {"prefill": self.prefill.pid, "decode": self.decode.pid}
 
     def stop(self) -> None:
         """SIGTERM the decode worker (it stops the prefill worker over the link), then make
         sure both are gone."""
+        self.watchdog.close()
         if self.decode.is_alive():
             self.decode.terminate()
         self.decode.join(20)

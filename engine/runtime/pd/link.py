@@ -8,9 +8,13 @@ private two-rank ``ProcessGroupGloo`` built on its own ``TCPStore`` — no globa
 so a server process can hold it next to anything else, and tests can run both ends. Gloo moves
 host tensors: on a GPU the prefill side stages each layer's pages through host memory.
 
-Rank 0 is the prefill worker (it hosts the store), rank 1 the decode worker. Two one-way
-streams, each ordered: requests (decode → prefill) and replies (prefill → decode). A message is
-an int64 length and UTF-8 JSON bytes; page data follows as plain tensors, one per layer.
+Rank 0 is the prefill worker (it hosts the store, bound to ``--pd-addr``'s host only, every key
+under the launch secret's prefix: engine.parallel.rendezvous), rank 1 the decode worker. Two
+one-way streams, each ordered: requests (decode → prefill) and replies (prefill → decode). A
+message is an int64 length and UTF-8 JSON bytes; page data follows as plain tensors, one per
+layer. Every send and receive has the link timeout (``--pd-link-timeout``); an idle decode side
+sends a ``ping`` request every quarter of it, so the prefill side's wait for the next request
+never runs out while the pair is healthy, however long the server sits idle.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from engine.core.errors import HiCacheError
+from engine.parallel.rendezvous import Rendezvous
 
 PREFILL, DECODE = 0, 1
 TAG_REQUEST, TAG_REPLY = 1, 2
@@ -34,21 +39,25 @@ class LinkError(HiCacheError):
 
 
 class PDLink:
-    """One end of the link. ``host:port`` is where the prefill end listens (its store)."""
+    """One end of the link. ``host:port`` is where the prefill end listens (its store);
+    ``secret``: the pair's shared secret (the store takes only keys derived from it)."""
 
-    def __init__(self, role: int, host: str, port: int, timeout_s: float = 60.0,
+    def __init__(self, role: int, host: str, port: int, secret: str, timeout_s: float = 60.0,
                  connect_timeout_s: float = 60.0):
         assert role in (PREFILL, DECODE), role
         self.role = role
         self.peer = DECODE if role == PREFILL else PREFILL
+        self.timeout_s = timeout_s
+        addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
-            self.store = dist.TCPStore(host, port, 2, role == PREFILL,
-                                       timeout=datetime.timedelta(seconds=connect_timeout_s))
+            rdv = (Rendezvous.host(addr, secret, "pd") if role == PREFILL
+                   else Rendezvous(addr, secret, "pd"))
+            self.store = rdv.store(connect_timeout_s)
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = datetime.timedelta(seconds=timeout_s)
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
             self.pg = dist.ProcessGroupGloo(self.store, role, 2, opts)
-        except (RuntimeError, ValueError) as exc:
+        except (RuntimeError, ValueError, OSError) as exc:
             raise LinkError(f"cannot connect the P/D link at {host}:{port}: "
                             f"{str(exc).splitlines()[0]}") from None
 

@@ -60,16 +60,19 @@ class PrefillWorker:
         self.layers_sent = 0
         self.requests = 0
 
-    def serve_forever(self) -> None:
-        """Answer requests until the decode side says ``stop`` or the link fails."""
+    def serve_forever(self) -> bool:
+        """Answer requests until the decode side says ``stop`` (True) or the link fails
+        (False). ``ping`` requests (an idle decode side's keepalive) need no answer."""
         while True:
             try:
                 msg = self.link.recv_msg(TAG_REQUEST)
             except LinkError as exc:
                 log.warning("prefill worker: link closed (%s)", exc)
-                return
+                return False
             if msg.get("op") == "stop":
-                return
+                return True
+            if msg.get("op") == "ping":
+                continue
             self.handle(msg)
             self.cache.poll()
 

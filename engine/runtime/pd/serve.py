@@ -4,7 +4,8 @@
   worker as a child process (its own model copy and cache stack) and links to it.
 * ``prefill``: this process is a prefill worker only (no HTTP); its link listens on
   ``--pd-addr``. ``decode``: the decode worker and HTTP front end, linking to a prefill worker
-  already listening at ``--pd-addr`` (another host, say).
+  already listening at ``--pd-addr`` (another host, say). Both need the same
+  ``HICACHE_RANK_SECRET`` (the link takes only keys derived from it); ``pd`` draws its own.
 
 Both workers build their model from the same ``--model``/``--seed``: the KV one computes is
 the KV the other would have computed.
@@ -18,6 +19,7 @@ import math
 import multiprocessing
 from typing import Any
 
+from engine.parallel.rendezvous import Watchdog, child_setup, launch_secret
 from engine.runtime.pd.decode import PDClient
 from engine.runtime.pd.link import DECODE, PREFILL, PDLink
 from engine.runtime.pd.prefill import PrefillWorker, parse_fault
@@ -53,27 +55,38 @@ def check_options(cfg: ServerConfig) -> None:
     t = cfg.pd_transfer_timeout
     if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
         raise ValueError(f"--pd-transfer-timeout must be a finite number > 0, got {t}")
+    t = cfg.pd_link_timeout
+    if not (isinstance(t, (int, float)) and math.isfinite(t) and 0.5 <= t <= 86400):
+        raise ValueError(f"--pd-link-timeout must be 0.5..86400 seconds, got {t}")
     parse_fault(cfg.pd_inject_fault)
 
 
-def prefill_main(cfg: ServerConfig, host: str, port: int, child: bool = False) -> None:
+def prefill_main(cfg: ServerConfig, host: str, port: int, child: bool = False,
+                 secret: str | None = None, beat: tuple | None = None) -> None:
     """Run a prefill worker until the decode side says stop or the link closes. ``child``: a
     process another one started — Ctrl-C and SIGTERM sent to the whole process group are left
-    to the parent, which stops this worker over the link (or the link closes)."""
+    to the parent, which stops this worker over the link (or the link closes); it exits with
+    its parent, beats for its watchdog (``beat``), and exits 1 when the link is lost."""
     if child:
         import signal
 
+        child_setup(beat)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill %(message)s")
+    secret = secret or launch_secret(required=True)
     engine = Engine(cfg)                  # model + cache stack; its scheduler never starts
     try:
-        link = PDLink(PREFILL, host, port, connect_timeout_s=CONNECT_TIMEOUT_S)
+        link = PDLink(PREFILL, host, port, secret, timeout_s=cfg.pd_link_timeout,
+                      connect_timeout_s=CONNECT_TIMEOUT_S)
         log.info("prefill worker linked on %s:%d", host, port)
-        PrefillWorker(engine.model, engine.cache, link, chunk=cfg.chunked_prefill_size,
-                      fault=cfg.pd_inject_fault).serve_forever()
+        stopped = PrefillWorker(engine.model, engine.cache, link,
+                                chunk=cfg.chunked_prefill_size,
+                                fault=cfg.pd_inject_fault).serve_forever()
     finally:
         engine.stop()
+    if child and not stopped:           # the decode side went away without a stop
+        raise SystemExit(1)
 
 
 def run_prefill(cfg: ServerConfig) -> None:
@@ -102,6 +115,8 @@ class PDEngine(Engine):
         super().__init__(cfg)
         host, port = parse_addr(cfg.pd_addr)
         self.prefill_proc: Any = None
+        self.watchdog: Watchdog | None = None
+        secret = launch_secret(required=cfg.disaggregation == "decode")
         if cfg.disaggregation == "pd":
             if port == 0:
                 from engine.parallel.launch import free_port
@@ -109,12 +124,17 @@ class PDEngine(Engine):
                 port = free_port()
             pcfg = dataclasses.replace(cfg, disaggregation="prefill", pd_addr=f"{host}:{port}",
                                        disable_radix_cache=False, rank_log_dir=None)
-            self.prefill_proc = multiprocessing.get_context("spawn").Process(
-                target=prefill_main, args=(pcfg, host, port, True), name="hicache-prefill",
-                daemon=True)
+            ctx = multiprocessing.get_context("spawn")
+            self.watchdog = Watchdog(ctx, 1, cfg.rank_heartbeat_timeout_s)
+            self.prefill_proc = ctx.Process(
+                target=prefill_main, args=(pcfg, host, port, True, secret,
+                                           self.watchdog.beat(0)),
+                name="hicache-prefill", daemon=True)
             self.prefill_proc.start()
+            self.watchdog.watch({"prefill": (0, self.prefill_proc)}, lambda k: f"{k} worker")
         try:
-            link = PDLink(DECODE, host, port, connect_timeout_s=CONNECT_TIMEOUT_S)
+            link = PDLink(DECODE, host, port, secret, timeout_s=cfg.pd_link_timeout,
+                          connect_timeout_s=CONNECT_TIMEOUT_S)
         except BaseException:
             self._stop_prefill(0)
             super().stop()
@@ -126,6 +146,8 @@ class PDEngine(Engine):
     def pd_health(self) -> str | None:
         """Why the prefill worker is unusable, or None."""
         p = self.prefill_proc
+        if self.watchdog is not None and self.watchdog.silent:
+            return next(iter(self.watchdog.silent.values()))
         if p is not None and not p.is_alive():
             return f"prefill worker down (exit code {p.exitcode})"
         if self.pd.down is not None:
@@ -140,6 +162,7 @@ class PDEngine(Engine):
         p = self.prefill_proc
         if p is None:
             return
+        self.watchdog.close()
         p.join(grace)
         if p.is_alive():
             p.terminate()

@@ -163,8 +163,9 @@ async def _respond(request: web.Request, batch: Batch, stream: bool,
             return fail if fail is not None else web.json_response(whole())
         resp = await _sse(request)
         async for s in batch.updates(request):
-            if s.reason in ("error", "abort"):
-                await _send(resp, {"error": {"message": s.error or s.reason, "code": 500}})
+            if s.reason in ("error", "abort"):     # 503: the server lost a rank or worker
+                code = 503 if s.reason == "error" and batch.unavailable(s.error) else 500
+                await _send(resp, {"error": {"message": s.error or s.reason, "code": code}})
                 break
             payload = chunk(s)
             for p in payload if isinstance(payload, list) else [payload]:

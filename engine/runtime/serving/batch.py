@@ -194,12 +194,23 @@ class Batch:
 
     def failure(self) -> web.Response | None:
         for s in self.subs:
-            if s.reason == "error":
-                return error_response(500, s.error or "internal error", "server_error")
+            if s.reason == "error":       # a lost rank or worker: 503, the server cannot serve
+                return error_response(503 if self.unavailable(s.error) else 500,
+                                      s.error or "internal error", "server_error")
             if s.reason == "abort":
                 return error_response(503, "the request was aborted (server shutting down)",
                                       "overloaded")
         return None
+
+    def unavailable(self, error: str | None) -> bool:
+        """Whether a request failed because the server lost part of itself (a rank, a stage,
+        the prefill worker), not because of the request."""
+        eng = self.engine
+        if error is not None and error == eng.scheduler.last_error:
+            return True
+        pd_health = getattr(eng, "pd_health", None)
+        return (pd_health is not None and pd_health() is not None) or \
+            eng.stage_health() is not None
 
     def firsts(self) -> list[Sub]:
         """One sub per prompt (prompt tokens and cache hits are counted once per prompt)."""

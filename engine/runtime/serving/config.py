@@ -91,12 +91,14 @@ class ServerConfig:
     pd_decode_reuse: bool = True       # decode matches its own cache before asking prefill
     pd_transfer_timeout: float = 30.0  # seconds a request waits for its KV on the link
     pd_inject_fault: str | None = None  # debug: die-after-layers:N | delay:S (prefill worker)
+    pd_link_timeout: float = 60.0      # seconds one link send/receive may take (idle: pinged)
     # pipeline parallelism (docs/parallelism.md §2): stage processes, pp_sync, debug delays
     pp: int = 1
     pp_sync: bool = True                   # debug: False lets each stage consume what it has
     pp_micro_batches: int = 0              # micro-batches per step (0: one per stage)
     debug_transfer_delay: str | None = None  # "STAGE[.TP]:MS[,...]": slow a stage's copies
     collective_timeout_s: float = 60.0     # a stage silent this long stops the server
+    rank_heartbeat_timeout_s: float = 5.0  # a worker process silent this long is killed (0: off)
     cp: int = 1                        # context-parallel ranks (one process each; KV sharded)
     tp: int = 1                        # tensor-parallel ranks (one process each; heads sharded)
     # multi-host, as in SGLang: the --cp/--tp/--pp ranks spread evenly over nnodes hosts; node 0
@@ -201,6 +203,9 @@ class ServerConfig:
         self._check_nodes()
         _in_range("--collective-timeout", self.collective_timeout_s, MIN_COLLECTIVE_TIMEOUT_S,
                   MAX_TIMEOUT_S)
+        hb = self.rank_heartbeat_timeout_s
+        if not (isinstance(hb, (int, float)) and math.isfinite(hb) and (hb == 0 or 1 <= hb <= 3600)):
+            raise ValueError(f"--rank-heartbeat-timeout must be 0 (off) or 1..3600 seconds, got {hb}")
         if self.inject_divergence:
             from engine.parallel.divergence import parse_spec
 
@@ -228,6 +233,10 @@ class ServerConfig:
         if local > cap:       # refused before one process is spawned
             raise ValueError(f"{what}: {local:,} rank processes on this host; it can run at "
                              f"most {cap} ({why})")
+        if self.nnodes > 1:
+            from engine.parallel.rendezvous import launch_secret
+
+            launch_secret(self.nnodes)    # every node needs the same HICACHE_RANK_SECRET
 
     def spec_config(self) -> Any:
         """The speculative-decoding settings, or None when off (checks the options)."""

@@ -39,16 +39,17 @@ class Engine:
     """The model, its tokenizer, the cache and the scheduler, wired together."""
 
     def __init__(self, cfg: ServerConfig, stage: int = 0, cp_rank: int = 0,
-                 cp_addr: str | None = None):
+                 cp_addr: Any = None):
         """``stage``: this process's pipeline stage (``cfg.pp`` > 1); stage 0 starts the others
         (engine.runtime.pipeline) and serves HTTP. ``cp_rank``/``cp_addr``: a follower rank of
         a CP or TP group (``cfg.cp`` or ``cfg.tp`` > 1, engine.runtime.cp_serve /
-        engine.runtime.tp_serve); rank 0 spawns the followers."""
+        engine.runtime.tp_serve) and the group's rendezvous; rank 0 spawns the followers."""
         self.cfg = cfg
         self.stage = stage
         self.stage_procs: list = []           # this node's other pipeline stages (stage 0)
         self._stage_ids: list[int] = []
         self._stage_board: tuple | None = None   # (ExitBoard, stages on other nodes)
+        self._stage_group = None              # their RankProcesses (its watchdog)
         self.cp_rank = cp_rank
         self.followers = None
         self.failure: str | None = None      # why a CP/TP group stopped (a rank died or hung)
@@ -89,7 +90,7 @@ class Engine:
             if cp_rank == 0:
                 self.followers = Followers(cfg, cfg.ranks, cfg.collective_timeout_s,
                                            label=rank_label(cfg.tp, cfg.cp))
-                cp_addr = self.followers.addr
+                cp_addr = self.followers.rendezvous
             init_group(cp_rank, cfg.ranks, cp_addr, cfg.collective_timeout_s)
         if cfg.pp > 1 and rank == 0:
             self._start_stages(cfg)
@@ -339,7 +340,8 @@ class Engine:
         """Rank 0: start this node's other pipeline ranks and join the group."""
         from engine.runtime.pp_grid import start_ranks
 
-        self._stage_ids, self.stage_procs, self._stage_board = start_ranks(cfg)
+        self._stage_ids, self._stage_group, self._stage_board = start_ranks(cfg)
+        self.stage_procs = list(self._stage_group.procs.values())
 
     def snapshot_meta(self) -> dict:
         """What a tree snapshot of this server says about it: the served name, and the model
@@ -361,14 +363,22 @@ class Engine:
         return fut
 
     def stage_health(self) -> str | None:
-        """Why the pipeline is unhealthy (a rank process gone), or None."""
+        """Why the pipeline or the TP/CP group is unhealthy (a rank process gone or silent),
+        or None."""
+        if self.followers is not None:
+            dead = self.followers.dead()
+            return f"{dead[0]}; the group cannot continue" if dead else None
+        if self._stage_group is None:
+            return None
         from engine.runtime.pp_grid import ranks_health
 
-        return ranks_health(self.cfg, self._stage_ids, self.stage_procs, self._stage_board)
+        return ranks_health(self.cfg, self._stage_ids, self.stage_procs, self._stage_board,
+                            self._stage_group.silent())
 
     def stop(self) -> None:
         self.scheduler.stop()
         if self.stage_procs:
+            self._stage_group.watchdog.close()
             for p in self.stage_procs:
                 p.join(timeout=self.cfg.collective_timeout_s)
                 if p.is_alive():
