@@ -197,17 +197,23 @@ def _wildcard_listeners(pids: list[int]) -> list[str]:
 
 class Spawned:
     def __init__(self, *args: str):
+        # stderr to a file: a pipe nobody reads could fill and block the server's exit
+        self.err = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "hicache_cli.app", "bench", "serve", "--port", "0",
              "--format", "json", "--l1-tokens", "1024", "--l2-tokens", "2048", *args],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=self.err, text=True,
             env=dict(os.environ, PYTHONPATH=ROOT), start_new_session=True)
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"server did not start: {self.proc.stderr.read()[-400:]}")
+            raise RuntimeError(f"server did not start: {self.stderr()[-400:]}")
         self.url = json.loads(line)["url"]
         time.sleep(0.5)
         self.pids = [self.proc.pid] + _children(self.proc.pid)
+
+    def stderr(self) -> str:
+        self.err.seek(0)
+        return self.err.read()
 
     def close(self) -> None:
         for pid in self.pids:
@@ -216,6 +222,7 @@ class Spawned:
             except ProcessLookupError:
                 pass
         self.proc.wait(timeout=30)
+        self.err.close()
 
 
 MODES = [["--tp", "2"], ["--cp", "2"], ["--pp", "2"]]
@@ -254,7 +261,7 @@ def _worker_fault(rep: Report, rng: random.Random, sig: int, cls: str) -> None:
     try:
         _listeners(rep, srv, cls)
         _generate(srv.url, _prompt(rng))
-        followers = [p for p in srv.pids if p != srv.proc.pid]
+        followers = [p for p in srv.pids if p != srv.proc.pid and _is_rank(p)]
         if not followers:
             rep.note(cls, f"{mode}: no follower process found")
             return
@@ -273,9 +280,9 @@ def _worker_fault(rep: Report, rng: random.Random, sig: int, cls: str) -> None:
             rep.hangs += 1
             rep.note(cls, f"{mode}: server still running {HANG_S} s after the fault")
             return
-        err = srv.proc.stderr.read()
-        if "rank" not in err:
-            rep.note(cls, f"{mode}: exit {srv.proc.returncode} without naming a rank")
+        err = srv.stderr()
+        if not any(w in err for w in ("rank", "stage", "worker")):
+            rep.note(cls, f"{mode}: exit {srv.proc.returncode} without naming the process")
         rep.note(cls, f"{mode}: stopped in {time.monotonic() - t0:.1f} s")
     finally:
         srv.close()
@@ -294,7 +301,7 @@ def parent_killed(rep: Report, rng: random.Random, ctx: dict) -> None:
     srv = Spawned(*mode)
     try:
         _listeners(rep, srv, "parent_killed")
-        workers = _children(srv.proc.pid)
+        workers = [p for p in _children(srv.proc.pid) if _is_rank(p)]
         os.kill(srv.proc.pid, signal.SIGKILL)
         srv.proc.wait(timeout=30)
         deadline = time.monotonic() + ORPHAN_S
@@ -308,6 +315,15 @@ def parent_killed(rep: Report, rng: random.Random, ctx: dict) -> None:
                                       "their parent was killed")
     finally:
         srv.close()
+
+
+def _is_rank(pid: int) -> bool:
+    """A rank or worker process (spawned by multiprocessing), not its resource tracker."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"spawn_main" in f.read()
+    except OSError:
+        return False
 
 
 def _alive(pid: int) -> bool:
