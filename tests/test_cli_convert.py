@@ -306,7 +306,7 @@ def test_interrupted_run_loses_nothing_and_resumes(tmp_path, workers):
 
 
 def test_headers_read_by_threads_come_in_order(tmp_path):
-    from engine.storage.convert import HEAD_BYTES, _heads
+    from engine.storage.convert_plan import HEAD_BYTES, _heads
 
     src, _ = legacy_source(tmp_path)
     ep = open_endpoint(str(src), source=True)
