@@ -44,6 +44,7 @@ import requests
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from checkers.procs import alive, descendants, listeners, wildcard  # noqa: E402
 from engine.runtime.serving import ServerConfig, start_server  # noqa: E402
 
 FIELDS = ("lora_path", "lora_id", "cache_salt", "extra_key", "namespace")
@@ -150,51 +151,6 @@ def converted_store(rep: Report, rng: random.Random, ctx: dict) -> None:
 
 
 # -- multi-process classes -------------------------------------------------------------------
-def _children(pid: int) -> list[int]:
-    """Every descendant of ``pid`` (from /proc)."""
-    parents: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        parents.setdefault(ppid, []).append(int(d))
-    out, todo = [], [pid]
-    while todo:
-        for c in parents.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def _wildcard_listeners(pids: list[int]) -> list[str]:
-    """Listening TCP sockets on 0.0.0.0 / :: owned by ``pids``."""
-    inodes: set[str] = set()
-    for pid in pids:
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("socket:["):
-                    inodes.add(target[8:-1])
-        except OSError:
-            continue
-    bad = []
-    for table, wild in (("/proc/net/tcp", "00000000"), ("/proc/net/tcp6", "0" * 32)):
-        try:
-            lines = open(table).read().splitlines()[1:]
-        except OSError:
-            continue
-        for ln in lines:
-            cols = ln.split()
-            addr, state, inode = cols[1], cols[3], cols[9]
-            if state == "0A" and inode in inodes and addr.split(":")[0] == wild:
-                bad.append(f"{table.rsplit('/', 1)[1]} port {int(addr.split(':')[1], 16)}")
-    return bad
-
-
 class Spawned:
     def __init__(self, *args: str):
         # stderr to a file: a pipe nobody reads could fill and block the server's exit
@@ -209,7 +165,7 @@ class Spawned:
             raise RuntimeError(f"server did not start: {self.stderr()[-400:]}")
         self.url = json.loads(line)["url"]
         time.sleep(0.5)
-        self.pids = [self.proc.pid] + _children(self.proc.pid)
+        self.pids = [self.proc.pid] + descendants(self.proc.pid)
 
     def stderr(self) -> str:
         self.err.seek(0)
@@ -229,7 +185,7 @@ MODES = [["--tp", "2"], ["--cp", "2"], ["--pp", "2"]]
 
 
 def _listeners(rep: Report, srv: Spawned, cls: str) -> None:
-    bad = _wildcard_listeners(srv.pids + _children(srv.proc.pid))
+    bad = wildcard(listeners(srv.pids + descendants(srv.proc.pid)))
     if bad:
         rep.wildcard_listeners += len(bad)
         rep.note(cls, f"wildcard listeners: {bad}")
@@ -301,17 +257,17 @@ def parent_killed(rep: Report, rng: random.Random, ctx: dict) -> None:
     srv = Spawned(*mode)
     try:
         _listeners(rep, srv, "parent_killed")
-        workers = [p for p in _children(srv.proc.pid) if _is_rank(p)]
+        workers = [p for p in descendants(srv.proc.pid) if _is_rank(p)]
         os.kill(srv.proc.pid, signal.SIGKILL)
         srv.proc.wait(timeout=30)
         deadline = time.monotonic() + ORPHAN_S
-        alive = workers
-        while alive and time.monotonic() < deadline:
+        left = workers
+        while left and time.monotonic() < deadline:
             time.sleep(0.2)
-            alive = [p for p in alive if _alive(p)]
-        if alive:
-            rep.orphans += len(alive)
-            rep.note("parent_killed", f"{mode}: {len(alive)} workers alive {ORPHAN_S} s after "
+            left = [p for p in left if alive(p)]
+        if left:
+            rep.orphans += len(left)
+            rep.note("parent_killed", f"{mode}: {len(left)} workers alive {ORPHAN_S} s after "
                                       "their parent was killed")
     finally:
         srv.close()
@@ -322,14 +278,6 @@ def _is_rank(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return b"spawn_main" in f.read()
-    except OSError:
-        return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
 

@@ -22,6 +22,7 @@ import time
 import pytest
 import requests
 
+from checkers.procs import alive, descendants, listeners
 from tests.serve_client import prompt, spawn
 
 MODES = {"tp2": ["--tp", "2"], "cp2": ["--cp", "2"], "pp2": ["--pp", "2"],
@@ -30,69 +31,6 @@ MODES = {"tp2": ["--tp", "2"], "cp2": ["--cp", "2"], "pp2": ["--pp", "2"],
 HB = ["--rank-heartbeat-timeout", "2", "--collective-timeout", "120", "--pd-link-timeout", "120",
       "--pd-transfer-timeout", "120"]
 SP = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
-
-
-def descendants(pid: int) -> list[int]:
-    """``pid``'s children, grandchildren, … (from /proc)."""
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(d))
-    out, todo = [], [pid]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def listeners(pids: list[int]) -> list[tuple[str, int]]:
-    """(address, port) of every listening TCP socket the processes ``pids`` hold."""
-    inodes = set()
-    for pid in pids:
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                try:
-                    m = re.match(r"socket:\[(\d+)\]", os.readlink(f"/proc/{pid}/fd/{fd}"))
-                except OSError:
-                    continue
-                if m:
-                    inodes.add(m.group(1))
-        except OSError:
-            continue
-    out: list[tuple[str, int]] = []
-    tables = {(f"/proc/{pid}/net/tcp{v}", v == "6") for pid in pids for v in ("", "6")}
-    for table, v6 in sorted(tables):       # each process's own network namespace
-        try:
-            rows = open(table).read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            f = row.split()
-            if f[3] != "0A" or f[9] not in inodes:
-                continue
-            hexip, hexport = f[1].split(":")
-            if v6:
-                ip = "::" if int(hexip, 16) == 0 else ("::1" if hexip.endswith("01000000") and
-                                                       int(hexip[:24], 16) == 0 else hexip)
-            else:
-                ip = ".".join(str(int(hexip[i:i + 2], 16)) for i in (6, 4, 2, 0))
-            if (ip, int(hexport, 16)) not in out:
-                out.append((ip, int(hexport, 16)))
-    return out
 
 
 def stranger_sets_keys(port: int) -> int:
@@ -245,3 +183,24 @@ def test_a_store_client_without_the_secret_can_neither_read_nor_change_the_group
     monkeypatch.setenv("HICACHE_RANK_SECRET", "short")
     with pytest.raises(ValueError, match="at least 16"):
         launch_secret(nnodes=2)
+
+
+@pytest.mark.parametrize("mode", ["tp2", "pp2"])
+def test_an_idle_group_serves_after_more_than_every_timeout(mode):
+    """Ranks wait for the next step in a collective: a group left idle longer than the collective
+    timeout (and the heartbeat timeout) must still serve, with the same output."""
+    # 5 s: the collective timeout also bounds the start-up rendezvous of the ranks
+    proc, url = spawn(*MODES[mode], "--collective-timeout", "5", "--rank-heartbeat-timeout", "2")
+    try:
+        ids = prompt(40, 7)
+        body = {"input_ids": ids, "sampling_params": SP}
+        first = requests.post(url + "/generate", json=body, timeout=60)
+        time.sleep(12)                      # idle past every timeout the group has
+        second = requests.post(url + "/generate", json=body, timeout=60)
+        health = requests.get(url + "/health", timeout=10)
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)
+    assert first.status_code == second.status_code == 200, second.text
+    assert second.json()["output_ids"] == first.json()["output_ids"]
+    assert health.status_code == 200
