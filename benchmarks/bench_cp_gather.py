@@ -80,8 +80,8 @@ def _ttft_part(rank: int, world: int, prefix: int, new: int, repeat: int) -> dic
     import torch.distributed as dist
 
     from engine.parallel.cp import CPShape, OwnerAllocator
-    from engine.runtime.cp_kv import ShardedKV
     from engine.runtime.model import Chunk, load_model
+    from engine.runtime.ranks.cp_kv import ShardedKV
 
     model = load_model("tiny")
     lay = model.kv_layout(PS)

@@ -22,7 +22,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import requests  # noqa: E402
 
-from engine.runtime.serving import ServerConfig, start_server  # noqa: E402
+from engine.runtime.launch import ServerConfig, start_server  # noqa: E402
 
 
 def metric(text: str, name: str) -> float:

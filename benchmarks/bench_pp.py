@@ -21,7 +21,7 @@ import statistics
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from engine.loadgen import LoadConfig, multiturn, run_load, summarize_result  # noqa: E402
-from engine.runtime.serving import ServerConfig, start_server  # noqa: E402
+from engine.runtime.launch import ServerConfig, start_server  # noqa: E402
 
 
 def one(pp: int, args, micro_batches: int = 0) -> dict:

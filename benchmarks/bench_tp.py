@@ -21,7 +21,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import requests  # noqa: E402
 
 from engine.loadgen import LoadConfig, multiturn, run_load, summarize_result  # noqa: E402
-from engine.runtime.serving import ServerConfig, start_server  # noqa: E402
+from engine.runtime.launch import ServerConfig, start_server  # noqa: E402
 
 
 def _kv_bytes(url: str) -> list[int]:

@@ -57,7 +57,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from checkers.invariants import check_cache  # noqa: E402
-from engine.runtime.serving import ServerConfig, start_server  # noqa: E402
+from engine.runtime.launch import ServerConfig, start_server  # noqa: E402
 
 BOS = 256
 GRACE_S = 1.0           # a request ending this long after a fault still counts as "during"

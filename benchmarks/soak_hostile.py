@@ -45,7 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from checkers.procs import alive, descendants, listeners, wildcard  # noqa: E402
-from engine.runtime.serving import ServerConfig, start_server  # noqa: E402
+from engine.runtime.launch import ServerConfig, start_server  # noqa: E402
 
 FIELDS = ("lora_path", "lora_id", "cache_salt", "extra_key", "namespace")
 TARGETS = ["unified:layers=1,heads=1+page_first", "unified:layers=2,heads=2",

@@ -144,8 +144,11 @@ def _stacked_options_panel(*, name, params, ctx, markup_mode, console):  # type:
             else ""
         return (shown or "") + (typer.rich_utils.RANGE_STRING.format(bounds) if bounds else "")
 
-    need = max((len(names_of(p)) for p in params), default=0) + \
-        max((len(type_of(p)) for p in params), default=0) + _HELP_MIN + 8
+    # one decision for every panel of the command (typer sizes each panel's name column apart)
+    every = [p for p in getattr(ctx.command, "params", params) if not getattr(p, "hidden", False)
+             and getattr(p, "opts", None)] or params
+    need = max((len(names_of(p)) for p in every), default=0) + \
+        max((len(type_of(p)) for p in every), default=0) + _HELP_MIN + 8
     if console.width >= need or not params:
         return _options_panel(name=name, params=params, ctx=ctx, markup_mode=markup_mode,
                               console=console)

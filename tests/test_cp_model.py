@@ -12,8 +12,8 @@ import torch
 
 from engine.parallel.cp import CPShape, OwnerAllocator
 from engine.parallel.launch import run_ranks
-from engine.runtime.cp_kv import ShardedKV
 from engine.runtime.model import Chunk, load_model
+from engine.runtime.ranks.cp_kv import ShardedKV
 
 PS = 16
 NEW = 5                         # greedy tokens per request

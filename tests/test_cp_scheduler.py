@@ -53,8 +53,8 @@ def _rank(rank: int, world: int, log_dir: str) -> dict:
     from engine.cache.events import EventLog, RankInfo
     from engine.cache.facade import CacheConfig, HiCache
     from engine.parallel.cp_cache import CPCache
-    from engine.runtime.cp_kv import ShardedKV
     from engine.runtime.model import load_model
+    from engine.runtime.ranks.cp_kv import ShardedKV
 
     model = load_model("tiny")
 

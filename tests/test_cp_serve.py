@@ -105,7 +105,7 @@ def test_bench_run_against_cp2_leaves_consistent_rank_logs(tmp_path):
 def test_flush_cache_answers_with_the_pools_after_the_flush():
     """A rank group flushes at a step every rank sees; /flush_cache still reports the pools as
     they are after it (read at the next step), not before."""
-    from engine.runtime.serving import ServerConfig, start_server
+    from engine.runtime.launch import ServerConfig, start_server
 
     h = start_server(ServerConfig(port=0, l1_tokens=256, l2_tokens=2048, cp=2))
     try:

@@ -18,7 +18,7 @@ from engine.cache.pool import HostPool
 from engine.parallel.cp import CPShape
 from engine.parallel.cp_pool import OwnedPool
 from engine.parallel.cp_store import OwnedStore
-from engine.runtime.serving import ServerConfig, start_server
+from engine.runtime.launch import ServerConfig, start_server
 from engine.storage.backends.memory import MemoryBackend
 from engine.storage.l3store import L3Store
 from formats.ranklog import read_ranklog

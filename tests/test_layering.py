@@ -76,3 +76,95 @@ def test_every_subpackage_says_what_lives_there():
     for init in (ROOT / "engine").rglob("__init__.py"):
         doc = ast.get_docstring(ast.parse(init.read_text()))
         assert doc and len(doc) > 40, f"{init} needs a docstring: what lives here, where new code goes"
+
+
+# -- inside the runtime: model < scheduler < config < ranks < serving < pd < launch ---------------
+RUNTIME_LEVEL = {"model": 0, "tokenizer": 0, "tokenizer_export": 0, "chat_template": 0,
+                 "topology": 0, "model_id": 0, "scheduler": 1, "config": 2, "ranks": 3,
+                 "serving": 4, "pd": 5, "launch": 6}
+
+
+def runtime_room(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["engine", "runtime"] or len(parts) < 3:
+        return None
+    return parts[2]
+
+
+def runtime_modules():
+    return sorted(p for p in (ROOT / "engine" / "runtime").rglob("*.py"))
+
+
+def test_every_runtime_module_sits_in_a_known_room():
+    rooms = {p.stem if p.is_file() else p.name for p in (ROOT / "engine" / "runtime").iterdir()
+             if not p.name.startswith("__") and (p.is_dir() or p.suffix == ".py")}
+    assert rooms == set(RUNTIME_LEVEL), f"runtime rooms without a level: {rooms ^ set(RUNTIME_LEVEL)}"
+
+
+@pytest.mark.parametrize("path", runtime_modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_runtime_imports_only_downward(path: Path):
+    rel = path.relative_to(ROOT / "engine" / "runtime").parts
+    if rel == ("__init__.py",):
+        return
+    own = rel[0].removesuffix(".py")
+    for line, module in imports_of(path):     # function-level imports count too
+        other = runtime_room(module)
+        if other is None or other == own:
+            continue
+        assert other in RUNTIME_LEVEL, f"{path}:{line} imports unknown runtime room {module}"
+        assert RUNTIME_LEVEL[other] <= RUNTIME_LEVEL[own], (
+            f"{path}:{line}: runtime/{own} (level {RUNTIME_LEVEL[own]}) imports upward into "
+            f"{module} (level {RUNTIME_LEVEL[other]})")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported(path: Path) -> list[str]:
+    """What a file imports, ``from pkg import sub`` also as ``pkg.sub`` (it may be a module)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out += [f"{node.module}.{a.name}" for a in node.names]
+    return out
+
+
+def test_no_import_circle_in_the_runtime():
+    """Between the runtime's modules (imports inside functions included), no module reaches
+    itself again: a circle would fail here even inside one room."""
+    mods = {_module_name(p): p for p in runtime_modules()}
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        out = set()
+        for module in _imported(path):
+            # ``from pkg import name`` may name a submodule or an attribute: the longest
+            # known prefix is the module imported
+            parts = module.split(".")
+            for k in range(len(parts), 2, -1):
+                cand = ".".join(parts[:k])
+                if cand in mods and cand != name:
+                    out.add(cand)
+                    break
+        graph[name] = {m for m in out if not name.startswith(m + ".")}   # a package's parent
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph[n]):
+            if state.get(m) == 1:
+                cycle = stack[stack.index(m):] + [m]
+                raise AssertionError("import circle: " + " -> ".join(cycle))
+            if m not in state:
+                visit(m)
+        stack.pop()
+        state[n] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n)

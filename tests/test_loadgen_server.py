@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from engine.loadgen import LoadConfig, multiturn, run_load, summarize_result, trace_workload
 from engine.loadgen.driver import ServerUnreachable, server_info
-from engine.runtime.serving import ServerConfig, start_server
+from engine.runtime.launch import ServerConfig, start_server
 from hicache_cli.app import app
 
 runner = CliRunner()

@@ -11,10 +11,10 @@ import json
 import pytest
 import requests
 
+from engine.runtime.launch import ServerConfig, start_server
 from engine.runtime.model import load_model, preset, random_weights, save_hf
 from engine.runtime.model.fingerprint import arch_identity, weights_digest
-from engine.runtime.serving import ServerConfig, start_server
-from engine.runtime.serving.model_id import model_tag
+from engine.runtime.model_id import model_tag
 
 PROMPT = [256] + [(7 * i + 3) % 256 for i in range(191)]       # 12 pages of 16
 

@@ -9,8 +9,8 @@ import torch
 
 from checkers.invariants import assert_healthy
 from engine.cache.facade import CacheConfig, HiCache
+from engine.runtime.launch import ServerConfig, start_server
 from engine.runtime.model import Chunk, load_model
-from engine.runtime.serving import ServerConfig, start_server
 
 pytestmark = pytest.mark.gpu
 PS = 16

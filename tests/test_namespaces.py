@@ -20,7 +20,7 @@ import requests
 from engine.core.errors import InputError
 from engine.core.hashing import namespace_seed, page_hashes
 from engine.core.namespace import FIELDS, Namespace, as_namespace, from_wire, parse_text, text_of
-from engine.runtime.serving import ServerConfig, start_server
+from engine.runtime.launch import ServerConfig, start_server
 from engine.runtime.serving.protocol import parse_chat, parse_completions, parse_generate
 from engine.runtime.tokenizer import ByteTokenizer
 from tests.factories import make_cache, serve

@@ -10,7 +10,7 @@ import time
 
 import requests
 
-from engine.runtime.pd.frontend import FrontendHandle
+from engine.runtime.launch.pd_frontend import FrontendHandle
 from engine.runtime.serving import ServerConfig
 from tests.test_pd import PS, reference, toks
 

@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from checkers.invariants import check_cache
-from engine.runtime.serving import ServerConfig, start_server
+from engine.runtime.launch import ServerConfig, start_server
 from tests.test_pd import PS, reference, toks
 
 GREEDY = {"max_new_tokens": 8, "ignore_eos": True, "temperature": 0}

@@ -17,9 +17,10 @@ import torch
 from typer.testing import CliRunner
 
 from engine.cache.pool import DevicePool
+from engine.runtime.config import parse_delay
+from engine.runtime.launch import ServerConfig, start_server
 from engine.runtime.model import Chunk, load_model
-from engine.runtime.pipeline import micro_batches, parse_delay, stage_layers, stage_model
-from engine.runtime.serving import ServerConfig, start_server
+from engine.runtime.ranks.pipeline import micro_batches, stage_layers, stage_model
 from formats.ranklog import read_ranklog
 from hicache_cli.app import app
 from tests.serve_client import generate
@@ -148,7 +149,7 @@ def test_a_dead_stage_stops_the_server_cleanly():
     h = serve(pp=2, collective_timeout_s=10)
     try:
         generate(h.url, PROMPTS[0])
-        os.kill(h.engine.stage_procs[0].pid, signal.SIGKILL)
+        os.kill(h.engine.group.pids()[1], signal.SIGKILL)
         deadline = time.monotonic() + 30
         while True:
             r = requests.get(h.url + "/health", timeout=10)

@@ -1,5 +1,5 @@
 """`bench serve --pp 2 --tp 2` (and `--pp 2 --cp 2`, `--pp 2 --tp 2 --cp 2`): two pipeline
-stages, each a TP / CP group (engine.runtime.pp_grid, docs/parallelism.md). Greedy outputs equal
+stages, each a TP / CP group (engine.runtime.topology, docs/parallelism.md). Greedy outputs equal
 one process's for a fresh prompt, an L1 hit and an L2 restore with a delayed stage; all rank logs
 agree (stage 0's ranks agree on the ACK counts, every later rank consumes exactly those); a
 killed rank stops the pipeline with a message naming it; L3 objects are the unified ones, so a
@@ -16,8 +16,8 @@ import pytest
 import requests
 from typer.testing import CliRunner
 
+from engine.runtime.launch import ServerConfig, start_server
 from engine.runtime.model import preset
-from engine.runtime.serving import ServerConfig, start_server
 from formats.ranklog import read_ranklog
 from hicache_cli.app import app
 from tests.test_pipeline_serve import PROMPTS, check, generate, serve, workload
@@ -110,8 +110,7 @@ def test_a_killed_rank_of_the_grid_stops_the_pipeline_naming_it(shape, name):
     h = serve_shape(**SHAPES[shape], collective_timeout_s=20)
     try:
         generate(h.url, PROMPTS[0])
-        ids = h.engine._stage_ids
-        os.kill(h.engine.stage_procs[ids.index(3)].pid, signal.SIGKILL)
+        os.kill(h.engine.group.pids()[3], signal.SIGKILL)
         deadline = time.monotonic() + 40
         while True:
             r = requests.get(h.url + "/health", timeout=10)
@@ -159,7 +158,7 @@ def test_a_store_written_by_the_grid_serves_one_process_and_back(one_process, tm
 
 
 def test_rank_delays_parse():
-    from engine.runtime.pipeline import delay_for, parse_delay
+    from engine.runtime.config import delay_for, parse_delay
 
     assert parse_delay("0.1:60,1:20", 2, 2) == {(0, 1): 0.06, 1: 0.02}
     assert [delay_for("0.1:60,1:20", 2, 2, s, t) for s in (0, 1) for t in (0, 1)] == \

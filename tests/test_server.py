@@ -15,7 +15,7 @@ import pytest
 import requests
 
 from checkers.invariants import check_cache
-from engine.runtime.serving import ServerConfig, start_server
+from engine.runtime.launch import ServerConfig, start_server
 from engine.snapshot.take import load_snapshot
 
 

@@ -12,7 +12,7 @@ import time
 import pytest
 import requests
 
-from engine.runtime.serving import ServerConfig, start_server
+from engine.runtime.launch import ServerConfig, start_server
 from engine.runtime.serving.protocol import MAX_BODY_BYTES
 
 

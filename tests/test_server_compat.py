@@ -12,7 +12,7 @@ import requests
 from tokenizers import Tokenizer as HFTok
 
 from engine.runtime.chat_template import normalize_messages, render
-from engine.runtime.serving import ServerConfig, start_server
+from engine.runtime.launch import ServerConfig, start_server
 from engine.runtime.tokenizer import ByteTokenizer
 from engine.runtime.tokenizer_export import export_tokenizer
 

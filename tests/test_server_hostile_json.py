@@ -9,7 +9,7 @@ import logging
 import pytest
 import requests
 
-from engine.runtime.serving import ServerConfig, start_server
+from engine.runtime.launch import ServerConfig, start_server
 
 DEEP = b"[" * 100_000 + b"]" * 100_000
 HOSTILE = {

@@ -11,7 +11,7 @@ import time
 import pytest
 import requests
 
-from engine.runtime.serving import ServerConfig, start_server
+from engine.runtime.launch import ServerConfig, start_server
 from tests.mooncake_master import MooncakeMaster
 from tests.test_server_storage import PROMPT, cli_server, generate, metrics
 from tests.test_storage_stall import hold_lock

@@ -15,7 +15,7 @@ import time
 import pytest
 import requests
 
-from engine.runtime.serving import ServerConfig, start_server
+from engine.runtime.launch import ServerConfig, start_server
 from tests.mooncake_master import MooncakeMaster, free_port
 
 PROMPT = "Hierarchical caches keep the history of long agentic sessions close at hand. " * 4

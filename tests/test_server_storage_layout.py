@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from engine.runtime.serving import ServerConfig, start_server
+from engine.runtime.launch import ServerConfig, start_server
 from tests.test_server_storage import BASE, generate
 
 

@@ -16,7 +16,7 @@ import sys
 import pytest
 import requests
 
-from engine.runtime.serving import ServerConfig, start_server
+from engine.runtime.launch import ServerConfig, start_server
 from hicache_cli.bench.sglang_args import TABLE, apply_extra
 from tests.serve_client import ROOT, spawn
 

@@ -21,9 +21,9 @@ from tokenizers import Tokenizer as HFTok  # noqa: E402
 from checkers.invariants import assert_healthy  # noqa: E402
 from engine.cache.facade import CacheConfig, HiCache  # noqa: E402
 from engine.runtime.chat_template import render  # noqa: E402
+from engine.runtime.launch import ServerConfig, start_server  # noqa: E402
 from engine.runtime.model import load_model  # noqa: E402
 from engine.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig  # noqa: E402
-from engine.runtime.serving import ServerConfig, start_server  # noqa: E402
 from engine.runtime.serving.runtime import model_tokenizer  # noqa: E402
 
 PS = 16

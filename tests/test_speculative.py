@@ -15,11 +15,11 @@ import requests
 from checkers.invariants import check_cache
 from engine.cache.facade import HiCache
 from engine.cache.types import CacheConfig
+from engine.runtime.launch import ServerConfig, start_server
 from engine.runtime.model import load_model
 from engine.runtime.model.draft import make_draft
 from engine.runtime.scheduler import SamplingParams, Scheduler
 from engine.runtime.scheduler.spec import SpecConfig, cache_layout, sidecar_layout
-from engine.runtime.serving import ServerConfig, start_server
 
 P = 16
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)

@@ -12,7 +12,7 @@ import os
 import pytest
 from typer.testing import CliRunner
 
-from engine.runtime.serving import ServerConfig, start_server
+from engine.runtime.launch import ServerConfig, start_server
 from hicache_cli.app import app
 from tests.test_server_storage import BASE, generate
 from tests.test_server_storage_layout import object_names

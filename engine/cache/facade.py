@@ -110,11 +110,12 @@ class HiCache:
 
     def attach_l3(self, impl, prefetch_policy: str = "wait_complete",
                   prefetch_timeout: float = 1.0, agree: Any = None, place: Any = None,
-                  adopt: Any = None) -> None:
+                  adopt: Any = None, ordered: bool = False) -> None:
         """Add the L3 tier (``engine.cache.l3.StoreTier`` or ``SimulatedTier``); needs an L2.
         ``agree``: the ranks' minimum of a list of counts, when several ranks hold shards of
         the same pages; ``place``/``adopt``: where prefetched pages go when each rank holds some
-        of the pages (see :class:`~engine.cache.l3.L3Tier`)."""
+        of the pages (see :class:`~engine.cache.l3.L3Tier`); ``ordered``: a pipeline stage's
+        (results land at the step pp_sync names)."""
         if self.l2_alloc is None:
             raise ValueError("an L3 store needs an L2 host pool (set l2_tokens > 0)")
         self.l3 = L3Tier(impl, self.page_size, tree=self.tree, l2_alloc=self.l2_alloc,
@@ -123,6 +124,7 @@ class HiCache:
                          op_ids=self._op_ids, prefetch_policy=prefetch_policy,
                          prefetch_timeout=prefetch_timeout, agree=agree, place=place,
                          adopt=adopt)
+        self.l3.ordered = ordered
 
     # ------------------------------------------------------------------ admission
     def admit(self, tokens: Sequence[int] | np.ndarray,

@@ -144,14 +144,14 @@ class CPCache:
         return [int(v) for v in t.tolist()]
 
     def attach_l3(self, impl: Any, prefetch_policy: str = "wait_complete",
-                  prefetch_timeout: float = 1.0, agree: Any = None) -> None:
+                  prefetch_timeout: float = 1.0, agree: Any = None, ordered: bool = False) -> None:
         """The facade's L3 tier, with the CP rules: the ranks agree on every L3 result (each
         moves only its own pages, :class:`~engine.parallel.cp_store.OwnedStore`), and pages
         prefetched after a path continue its owner rotation. ``agree``: over a larger group
         than this one (TP x CP: the whole world, ``TPCache``); default :meth:`agree`."""
         self.cache.attach_l3(impl, prefetch_policy=prefetch_policy,
                              prefetch_timeout=prefetch_timeout, agree=agree or self.agree,
-                             place=self._l3_place, adopt=self._l3_adopt)
+                             place=self._l3_place, adopt=self._l3_adopt, ordered=ordered)
 
     def _l3_place(self, path: Sequence[Node], n: int) -> np.ndarray:
         """L2 pages for up to ``n`` pages fetched after ``path``: its rotation continued (a

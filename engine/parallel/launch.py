@@ -139,6 +139,8 @@ class ExitBoard:
     gone) is silently skipped."""
 
     KEY = "hicache/exit/rank{}"
+    WHY = "hicache/why/rank{}"            # a rank's own failure, in one line
+    STOP = "hicache/stop"                 # a rank (or node) that got SIGTERM asks rank 0 to stop
 
     def __init__(self, rendezvous: Rendezvous, timeout_s: float = 2.0):
         self.rendezvous = Rendezvous(rendezvous.addr, rendezvous.secret)   # a client's
@@ -155,6 +157,44 @@ class ExitBoard:
             self._client().set(self.KEY.format(rank), str(code))
         except Exception:  # noqa: BLE001 - node 0 is gone: nobody left to tell
             pass
+
+    def post_reason(self, rank: int, why: str) -> None:
+        """Why rank ``rank`` stopped on its own (a forward that raised, a silence its node's
+        watchdog saw), for rank 0 to name it with."""
+        try:
+            self._client().set(self.WHY.format(rank), why[:500])
+        except Exception:  # noqa: BLE001 - node 0 is gone: nobody left to tell
+            pass
+
+    def reasons(self, ranks: Any) -> dict[int, str]:
+        """The reasons posted so far for each of ``ranks``."""
+        out: dict[int, str] = {}
+        try:
+            store = self._client()
+            for r in ranks:
+                key = self.WHY.format(r)
+                if store.check([key]):
+                    out[r] = store.get(key).decode(errors="replace")
+        except Exception:  # noqa: BLE001 - the store is gone with the group
+            pass
+        return out
+
+    def request_stop(self, who: str) -> None:
+        """Ask rank 0 to stop the whole group cleanly (``who`` got a SIGTERM)."""
+        try:
+            self._client().set(self.STOP, who[:200])
+        except Exception:  # noqa: BLE001 - node 0 is gone: nothing to stop
+            pass
+
+    def stop_requested(self) -> str | None:
+        """Who asked rank 0 to stop, if anyone did."""
+        try:
+            store = self._client()
+            if store.check([self.STOP]):
+                return store.get(self.STOP).decode(errors="replace")
+        except Exception:  # noqa: BLE001
+            pass
+        return None
 
     def posted(self, ranks: Any) -> list[tuple[int, str]]:
         """``(rank, exit code)`` of each of ``ranks`` posted so far."""

@@ -163,18 +163,72 @@ class Rendezvous:
             raw = dist.TCPStore(host, port, None, False, td, wait_for_workers=False)
         return dist.PrefixStore(key_prefix(self.secret, self.purpose), raw)
 
-    def join(self, rank: int, world: int, timeout_s: float) -> None:
-        """Join the default process group (gloo) as ``rank`` of ``world``."""
+    def join(self, rank: int, world: int, timeout_s: float, nnodes: int = 1) -> None:
+        """Join the default process group (gloo) as ``rank`` of ``world`` (spread evenly over
+        ``nnodes`` hosts). With several hosts every rank first posts the address its links
+        will advertise; a peer on another host that would advertise a loopback address (its
+        host name resolves to 127.0.x.x and no interface was picked) is said in one line here
+        instead of a connect timeout later."""
         import torch.distributed as dist
 
-        use_interface(split_addr(self.addr)[0])
-        dist.init_process_group("gloo", store=self.store(timeout_s), rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+        host = split_addr(self.addr)[0]
+        use_interface(host)
+        store = self.store(timeout_s)
+        if nnodes > 1:
+            check_advertised(store, rank, world, nnodes, host, timeout_s)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
 
     def close(self) -> None:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+def advertised_address() -> str:
+    """The address this process's gloo links advertise: ``GLOO_SOCKET_IFNAME``'s interface
+    address, else what the host name resolves to (gloo's own default)."""
+    import fcntl
+    import struct
+
+    name = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+    if name:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            return socket.inet_ntoa(raw[20:24])
+        except OSError:
+            return f"?{name}"
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "?"
+
+
+def check_advertised(store: Any, rank: int, world: int, nnodes: int, host: str,
+                     timeout_s: float) -> None:
+    """Post this rank's advertised address; ``ConnectionError`` naming the first rank on
+    another node whose address is a loopback one (no peer could reach it)."""
+    import ipaddress
+
+    per = world // nnodes
+    store.set(f"hicache/advertise/rank{rank}", advertised_address())
+    keys = [f"hicache/advertise/rank{r}" for r in range(world)]
+    store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    for r in range(world):
+        if r // per == rank // per:
+            continue
+        addr = store.get(keys[r]).decode(errors="replace")
+        try:
+            loop = ipaddress.ip_address(addr).is_loopback
+        except ValueError:
+            loop = False
+        if loop:
+            raise ConnectionError(
+                f"rank {r} (node {r // per}) would advertise the loopback address {addr} to the "
+                f"other nodes (its host name resolves to it and no interface routes to {host}): "
+                f"set GLOO_SOCKET_IFNAME on node {r // per} to the interface that reaches "
+                f"{host}")
 
 
 def use_interface(host: str) -> None:

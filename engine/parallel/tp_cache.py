@@ -63,10 +63,11 @@ class TPCache:
         return cache.poll(limits=dict(zip(QUEUES, counts)))
 
     def attach_l3(self, impl: Any, prefetch_policy: str = "wait_complete",
-                  prefetch_timeout: float = 1.0) -> None:
+                  prefetch_timeout: float = 1.0, ordered: bool = False) -> None:
         self.cache.attach_l3(impl, prefetch_policy=prefetch_policy,
                              prefetch_timeout=prefetch_timeout,
-                             agree=self.agree if self.group is not None else None)
+                             agree=self.agree if self.group is not None else None,
+                             ordered=ordered)
 
     def wait_all(self) -> None:
         """Finish every transfer; the group is stopping, so from now on this rank decides

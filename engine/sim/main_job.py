@@ -155,7 +155,7 @@ def check_config(cfg: MainJobConfig) -> None:
     """Usage errors (``ValueError``) before anything starts: the device, the workload, and a last
     turn that could never fit in L1 (the server would refuse it with HTTP 400 in both runs)."""
     from engine.core.device import resolve_device
-    from engine.runtime.serving import ServerConfig
+    from engine.runtime.launch import ServerConfig
 
     resolve_device(cfg.device)
     if cfg.concurrency < 1:
@@ -195,7 +195,7 @@ def _kv_need(prompt: int, output: int, page: int) -> int:
 def fitted(cfg: MainJobConfig) -> MainJobConfig:
     """``cfg`` with L1 grown to the trace's largest request when ``fit_l1`` asks for it (L2
     keeps its ratio to L1, so the HiCache run still has room beyond L1)."""
-    from engine.runtime.serving import ServerConfig
+    from engine.runtime.launch import ServerConfig
 
     if not (cfg.is_trace and cfg.fit_l1):
         return cfg
@@ -212,7 +212,7 @@ def fitted(cfg: MainJobConfig) -> MainJobConfig:
 def server_config(cfg: MainJobConfig, hicache: bool, storage_dir: str | None):
     """L1 only: no L2, no L3. HiCache: the same L1, ``l2_tokens`` of L2, and a file L3 in
     ``storage_dir`` when given."""
-    from engine.runtime.serving import ServerConfig
+    from engine.runtime.launch import ServerConfig
 
     extra = {}
     if hicache and storage_dir is not None:
@@ -225,7 +225,7 @@ def server_config(cfg: MainJobConfig, hicache: bool, storage_dir: str | None):
 @contextlib.contextmanager
 def embedded_server(server_cfg, label: str) -> Iterator[str]:
     """Start the benchmark server in-process on a free 127.0.0.1 port; always stop it."""
-    from engine.runtime.serving import start_server
+    from engine.runtime.launch import start_server
 
     try:
         handle = start_server(server_cfg)

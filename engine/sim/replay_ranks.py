@@ -44,7 +44,7 @@ def _rank_main(rank: int, run: RankRun, addr: Any, out: Any) -> None:
     result: dict[str, Any] = {"rank": rank}
     try:
         child_setup(None)                 # exit with the parent
-        addr.join(rank, run.world_size, 300.0)   # a Rendezvous: bound, keyed by the secret
+        addr.join(rank, run.world_size, 300.0, nnodes=run.nnodes)   # bound, keyed by the secret
         if run.config.cp_size > 1:     # the ranks are the CP group: one logical tree each
             info = RankInfo(rank=rank, world_size=run.world_size, cp_rank=rank,
                             cp_size=run.world_size)

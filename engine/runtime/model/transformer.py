@@ -34,7 +34,7 @@ LayerHook = Callable[[int], None]
 class PoolKV:
     """Where a forward pass keeps and finds KV: the paged L1 pool. New K/V goes to the chunks'
     slots; each chunk's keys are read through its page table. (Context parallelism swaps in a
-    sharded implementation of the same three calls: ``engine.runtime.cp_kv.ShardedKV``.)"""
+    sharded implementation of the same three calls: ``engine.runtime.ranks.cp_kv.ShardedKV``.)"""
 
     def __init__(self, kv: torch.Tensor, write_slots: torch.Tensor,
                  key_slots: list[torch.Tensor]):

@@ -15,50 +15,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import multiprocessing
 from typing import Any
 
 from engine.parallel.rendezvous import Watchdog, child_setup, launch_secret
+from engine.runtime.config import ServerConfig, parse_pd_addr
 from engine.runtime.pd.decode import PDClient
 from engine.runtime.pd.link import DECODE, PREFILL, PDLink
-from engine.runtime.pd.prefill import PrefillWorker, parse_fault
-from engine.runtime.serving.runtime import Engine, ServerConfig
+from engine.runtime.pd.prefill import PrefillWorker
+from engine.runtime.ranks.build import build_rank
+from engine.runtime.serving.runtime import Engine
+from engine.runtime.topology import Topology
 
 log = logging.getLogger("hicache.pd")
 
-ROLES = ("pd", "prefill", "decode")
 CONNECT_TIMEOUT_S = 120.0
-
-
-def parse_addr(addr: str) -> tuple[str, int]:
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"--pd-addr: expected HOST:PORT, got {addr!r}")
-    return host.strip("[]"), int(port)
-
-
-def check_options(cfg: ServerConfig) -> None:
-    """Usage errors (``ValueError``) for the P/D options."""
-    if cfg.disaggregation not in ROLES:
-        raise ValueError(f"--disaggregation: choose one of {', '.join(ROLES)}, got "
-                         f"{cfg.disaggregation!r}")
-    _, port = parse_addr(cfg.pd_addr)
-    if cfg.disaggregation != "pd" and port == 0:
-        raise ValueError(f"--disaggregation {cfg.disaggregation} needs --pd-addr HOST:PORT "
-                         f"(where the prefill worker listens)")
-    if cfg.speculative_num_draft_tokens:
-        raise ValueError("--disaggregation does not combine with speculative decoding yet "
-                         "(the link carries the target's KV only)")
-    if cfg.pp > 1:
-        raise ValueError("--disaggregation does not combine with --pp yet")
-    t = cfg.pd_transfer_timeout
-    if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
-        raise ValueError(f"--pd-transfer-timeout must be a finite number > 0, got {t}")
-    t = cfg.pd_link_timeout
-    if not (isinstance(t, (int, float)) and math.isfinite(t) and 0.5 <= t <= 86400):
-        raise ValueError(f"--pd-link-timeout must be 0.5..86400 seconds, got {t}")
-    parse_fault(cfg.pd_inject_fault)
+parse_addr = parse_pd_addr        # --pd-addr HOST:PORT (engine.runtime.config)
 
 
 def prefill_main(cfg: ServerConfig, host: str, port: int, child: bool = False,
@@ -75,16 +47,17 @@ def prefill_main(cfg: ServerConfig, host: str, port: int, child: bool = False,
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill %(message)s")
     secret = secret or launch_secret(required=True)
-    engine = Engine(cfg)                  # model + cache stack; its scheduler never starts
+    rank = build_rank(cfg, Topology())    # model + cache stack; no scheduler loop runs
     try:
         link = PDLink(PREFILL, host, port, secret, timeout_s=cfg.pd_link_timeout,
                       connect_timeout_s=CONNECT_TIMEOUT_S)
         log.info("prefill worker linked on %s:%d", host, port)
-        stopped = PrefillWorker(engine.model, engine.cache, link,
+        stopped = PrefillWorker(rank.model, rank.cache, link,
                                 chunk=cfg.chunked_prefill_size,
                                 fault=cfg.pd_inject_fault).serve_forever()
     finally:
-        engine.stop()
+        rank.write_log()
+        rank.close()
     if child and not stopped:           # the decode side went away without a stop
         raise SystemExit(1)
 
@@ -112,7 +85,6 @@ class PDEngine(Engine):
     def __init__(self, cfg: ServerConfig):
         if not cfg.pd_decode_reuse:
             cfg = dataclasses.replace(cfg, disable_radix_cache=True)
-        super().__init__(cfg)
         host, port = parse_addr(cfg.pd_addr)
         self.prefill_proc: Any = None
         self.watchdog: Watchdog | None = None
@@ -132,16 +104,22 @@ class PDEngine(Engine):
                 name="hicache-prefill", daemon=True)
             self.prefill_proc.start()
             self.watchdog.watch({"prefill": (0, self.prefill_proc)}, lambda k: f"{k} worker")
-        try:
+        self.pd_addr = f"{host}:{port}"
+        made: list[PDClient] = []
+
+        def client(cache: Any) -> PDClient:      # the link, once the cache exists
             link = PDLink(DECODE, host, port, secret, timeout_s=cfg.pd_link_timeout,
                           connect_timeout_s=CONNECT_TIMEOUT_S)
+            made.append(PDClient(link, cache.l1, cfg.page_size, cfg.pd_transfer_timeout))
+            return made[0]
+        try:
+            super().__init__(cfg, remote=client)
         except BaseException:
+            if made:
+                made[0].close()
             self._stop_prefill(0)
-            super().stop()
             raise
-        self.pd_addr = f"{host}:{port}"
-        self.pd = PDClient(link, self.cache.l1, cfg.page_size, cfg.pd_transfer_timeout)
-        self.scheduler.remote = self.pd
+        self.pd = made[0]
 
     def pd_health(self) -> str | None:
         """Why the prefill worker is unusable, or None."""
@@ -157,6 +135,11 @@ class PDEngine(Engine):
     def pd_stats(self) -> dict[str, Any]:
         return {"addr": self.pd_addr, "up": self.pd_health() is None,
                 "decode_reuse": self.cfg.pd_decode_reuse, **self.pd.totals}
+
+    def extra_metrics(self) -> str:
+        from engine.runtime.pd.metrics import render_pd
+
+        return render_pd(self.pd_stats())
 
     def _stop_prefill(self, grace: float) -> None:
         p = self.prefill_proc

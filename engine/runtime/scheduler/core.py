@@ -38,7 +38,9 @@ log = logging.getLogger("hicache.scheduler")
 
 class Scheduler:
     def __init__(self, model: Model, cache: Any, config: SchedulerConfig | None = None, *,
-                 draft: Model | None = None, spec: "SpecConfig | None" = None):
+                 draft: Model | None = None, spec: "SpecConfig | None" = None,
+                 kv_source: "Callable[[list[Chunk], list], Any] | None" = None,
+                 remote: Any = None):
         """``draft`` + ``spec``: speculative decoding (engine.runtime.scheduler.spec); the cache
         then holds the draft's layers too (packed: after the target's; sidecar: own pools)."""
         assert cache.l1 is not None, "the scheduler needs a cache with KV pools (layout set)"
@@ -58,10 +60,11 @@ class Scheduler:
         self._rid_counter = itertools.count()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self.halted = False                    # a lockstep group's halt was applied
         self._lock = threading.Lock()          # guards _by_rid between submit and the loop
-        # What the forward reads and writes KV through: None = the cache's L1 pool; a CP rank
-        # sets ``kv_source(chunks, layer_hooks)`` returning a ShardedKV (engine.runtime.cp_kv).
-        self.kv_source: Callable[[list[Chunk], list], Any] | None = None
+        # What the forward reads and writes KV through: None = the cache's L1 pool; a CP rank's
+        # ``kv_source(chunks, layer_hooks)`` returns a ShardedKV (engine.runtime.ranks.cp_kv).
+        self.kv_source = kv_source
         cfg = model.cfg
         self.vocab_size = cfg.vocab_size
         self.eos_ids = frozenset(cfg.eos_ids)
@@ -69,9 +72,10 @@ class Scheduler:
         if cfg.vocab_size == 260 and cfg.bos_id == 256:     # byte vocabulary: PAD, SEP too
             banned += [258, 259]
         self._banned = torch.as_tensor(banned, dtype=torch.long)
-        self.spec = SpecDecoder(self, draft, spec) if draft is not None else None
+        self.spec = SpecDecoder(self, draft, spec) if draft is not None and spec is not None \
+            else None
         # P/D decode worker: fetches what admission lacks (engine.runtime.pd.decode.PDClient)
-        self.remote: Any = None
+        self.remote = remote
 
     # -- thread-safe API ------------------------------------------------------------------
     def submit(self, input_ids: Sequence[int] | np.ndarray, sampling: SamplingParams,
@@ -124,8 +128,11 @@ class Scheduler:
     def call(self, fn: Callable[[], Any]) -> "concurrent.futures.Future[Any]":
         """Run ``fn`` on the scheduler thread between steps (cache access from other threads)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        if self._thread is None:
-            fut.set_result(fn())
+        if self._thread is None or not self._thread.is_alive():   # no loop: run it here
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(exc)
             return fut
         self._inbox.put(("call", (fn, fut)))
         return fut
@@ -210,6 +217,8 @@ class Scheduler:
     def step(self, block: bool = False) -> bool:
         """One scheduling step; returns False when there was nothing to run."""
         self._drain_inbox(block=block and not self._running and not self._waiting)
+        if self.halted:
+            return False
         self.step_no += 1
         self.cache.events.set_step(self.step_no)
         self._consume_completions()
@@ -225,13 +234,18 @@ class Scheduler:
         try:
             self._run_batch(chunks, reqs)
         except Exception as exc:  # noqa: BLE001 - logged; the batch's requests fail
-            log.exception("forward failed for %d request(s)", len(reqs))
-            self.last_error = f"{type(exc).__name__}: {exc}"
-            for r in reqs:
-                if r.phase is not _Phase.DONE:
-                    self._finish(r, FinishReason.ERROR, error=f"internal error: {exc}")
+            self._batch_failed(exc, reqs)
         self.metrics.steps += 1
         return True
+
+    def _batch_failed(self, exc: Exception, reqs: list[_Req]) -> None:
+        """A forward that raised: its requests fail, the server goes on (a lockstep rank
+        cannot: its peers ran that step; it re-raises)."""
+        log.exception("forward failed for %d request(s)", len(reqs))
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        for r in reqs:
+            if r.phase is not _Phase.DONE:
+                self._finish(r, FinishReason.ERROR, error=f"internal error: {exc}")
 
     def _spec_round(self) -> bool:
         """One speculative round for the greedy requests in decode; False when there are none."""
@@ -379,9 +393,10 @@ class Scheduler:
             self.spec.mirror(chunks, reqs)
         return logits
 
-    def _decide(self, chunks: list[Chunk], reqs: list[_Req], logits: torch.Tensor) -> list:
+    def _decide(self, chunks: list[Chunk], reqs: list[_Req], logits: torch.Tensor | None) -> list:
         """Per chunk: ``(token | None, error | None, logprob, prompt logprobs)`` — what the
         logits make of it (a token only where the chunk completes the prompt or decodes)."""
+        assert logits is not None, "only a stage with logits decides"
         out: list = []
         row = 0
         for c, r in zip(chunks, reqs):

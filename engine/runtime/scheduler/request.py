@@ -3,14 +3,16 @@ the figures reported with it (cache tiers, speculative decoding, P/D)."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import time
+from typing import Any
 
 import numpy as np
 import torch
 
-from engine.core.namespace import Namespace
+from engine.core.namespace import Namespace, from_wire
 from engine.runtime.scheduler.params import Callback, SamplingParams
 
 
@@ -36,8 +38,8 @@ class _Req:
         self.t_admit = math.nan
         self.t_first = math.nan
         self.phase = _Phase.WAITING
-        self.receipt = None
-        self.load = None
+        self.receipt: Any = None                    # the prefix's lock (HiCache.admit)
+        self.load: Any = None                       # its load-back / P/D transfer (per layer)
         self.pages = np.empty(0, dtype=np.int64)   # page table: prefix pages, then own pages
         self.n_prefix_pages = 0                     # leading pages owned by the tree
         self.kv_len = 0                             # positions whose KV is in L1
@@ -52,6 +54,35 @@ class _Req:
         self.spec_proposed = self.spec_accepted = self.spec_steps = 0
         self.spec_dropped = False
         self.pd: dict | None = None                 # P/D: where the prompt's KV came from
+
+    # -- the one wire format of a request between ranks (the lockstep intake) ---------------
+    def to_wire(self) -> list:
+        """Plain values only (msgpack-able): what another rank needs to rebuild this request
+        as it arrived — id, prompt, sampling, namespace, priority, and whether it was aborted
+        before the step that carries it."""
+        sampling = {k: list(v) if isinstance(v, tuple) else v
+                    for k, v in dataclasses.asdict(self.sampling).items()}
+        ns = None if self.namespace is None else self.namespace.to_wire()
+        return [self.rid, np.ascontiguousarray(self.ids, dtype="<i8").tobytes(), sampling, ns,
+                int(self.priority), bool(self.aborted)]
+
+    @classmethod
+    def from_wire(cls, w: Any) -> "_Req":
+        """The request :meth:`to_wire` described (no callback: it lives on rank 0);
+        ``ValueError`` for anything else."""
+        if not (isinstance(w, (list, tuple)) and len(w) == 6 and isinstance(w[0], str)
+                and isinstance(w[1], bytes) and len(w[1]) % 8 == 0 and isinstance(w[2], dict)
+                and isinstance(w[4], int) and isinstance(w[5], bool)):
+            raise ValueError("malformed request on the rank link")
+        rid, ids, sampling, ns, priority, aborted = w
+        known = {f.name for f in dataclasses.fields(SamplingParams)}
+        if not set(sampling) <= known:
+            raise ValueError(f"unknown sampling fields on the rank link: {set(sampling) - known}")
+        sampling = {k: tuple(v) if isinstance(v, list) else v for k, v in sampling.items()}
+        r = cls(rid, np.frombuffer(ids, dtype="<i8").astype(np.int64), SamplingParams(**sampling),
+                from_wire(ns), priority, None)
+        r.aborted = aborted
+        return r
 
     @property
     def prompt_len(self) -> int:

@@ -343,11 +343,7 @@ async def metrics(request: web.Request) -> web.Response:
                          "write_policy", "l3")}
         text = prom.render(sched.metrics, engine.cache.stats(), sched.num_running(),
                            sched.num_waiting(), info)
-        if hasattr(engine, "pd_stats"):          # P/D decode worker: the link's audit
-            from engine.runtime.pd.metrics import render_pd
-
-            text += render_pd(engine.pd_stats())
-        return text
+        return text + engine.extra_metrics()     # P/D decode worker: the link's audit
 
     text = await _on_scheduler(engine, collect)
     return web.Response(text=text, content_type="text/plain", charset="utf-8",

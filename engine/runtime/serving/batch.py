@@ -208,9 +208,8 @@ class Batch:
         eng = self.engine
         if error is not None and error == eng.scheduler.last_error:
             return True
-        pd_health = getattr(eng, "pd_health", None)
-        return (pd_health is not None and pd_health() is not None) or \
-            eng.stage_health() is not None
+        return eng.pd_health() is not None or \
+            eng.group_health() is not None
 
     def firsts(self) -> list[Sub]:
         """One sub per prompt (prompt tokens and cache hits are counted once per prompt)."""

@@ -75,13 +75,13 @@ async def model_by_id(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
-    gone = engine.stage_health()
+    gone = engine.group_health()
     if gone is not None:       # a pipeline stage died: say which
         return error_response(503, gone, "server_error")
     if not engine.scheduler.alive:
         return error_response(503, engine.scheduler.last_error or "scheduler not running",
                               "server_error")
-    pd_down = engine.pd_health() if hasattr(engine, "pd_health") else None
+    pd_down = engine.pd_health()
     if pd_down is not None:    # the HTTP front end is up; requests needing prefill fail
         return error_response(503, pd_down, "server_error")
     reason = engine.storage_degraded()

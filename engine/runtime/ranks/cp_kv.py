@@ -16,7 +16,7 @@ every rank); what differs is where KV lives:
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -39,7 +39,10 @@ class ShardedKV:
         p = shape.page_size
         self.pool = pool
         dev = pool.device
-        prefix_pages, reads, self.starts, self.bounds = [], [], [], []
+        prefix_pages: list[np.ndarray] = []
+        reads: list[tuple[int, int]] = []
+        self.starts: list[int] = []
+        self.bounds: list[tuple[int, int]] = []
         rows, picks = [], []
         off = 0
         for c in chunks:
@@ -80,6 +83,7 @@ class ShardedKV:
         if self.starts[chunk] == 0:
             return tuple(t[s:e] for t in self._new)
         if not self._prefix:
+            assert self.gather is not None, "a chunk with a prefix has a gather"
             self._prefix = self.gather.wait(layer)
         return tuple(torch.cat([old, t[s:e]]) for old, t in zip(self._prefix[chunk], self._new))
 
@@ -99,3 +103,14 @@ class ShardedKV:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def sharded_source(cache: Any, rank: int, group: Any = None) -> Any:
+    """``Scheduler.kv_source`` for a CP rank: the forward reads KV through :class:`ShardedKV`
+    (``group``: the CP group of the gather, when it is not the whole world — TP x CP)."""
+    def source(chunks: Any, hooks: Any) -> ShardedKV:
+        def ready(layer: int) -> None:
+            for h in hooks:
+                h(layer)
+        return ShardedKV(chunks, cache.l1.buf, cache.shape, rank, ready=ready, group=group)
+    return source

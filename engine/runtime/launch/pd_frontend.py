@@ -24,10 +24,10 @@ import aiohttp
 from aiohttp import web
 
 from engine.parallel.rendezvous import SECRET_ENV, Watchdog, child_setup, launch_secret
-from engine.runtime.pd.serve import parse_addr, prefill_main
+from engine.runtime.config import ServerConfig, parse_pd_addr
+from engine.runtime.pd.serve import prefill_main
 from engine.runtime.serving.common import error_response
 from engine.runtime.serving.protocol import MAX_BODY_BYTES
-from engine.runtime.serving.runtime import ServerConfig
 
 log = logging.getLogger("hicache.pd")
 
@@ -43,7 +43,7 @@ def decode_main(cfg: ServerConfig, urls: Any, secret: str | None = None,
     import os
     import signal
 
-    from engine.runtime.serving import serve
+    from engine.runtime.launch import serve
 
     child_setup(beat)
     if secret:
@@ -59,7 +59,7 @@ class Workers:
     def __init__(self, cfg: ServerConfig):
         from engine.parallel.launch import free_port
 
-        host, port = parse_addr(cfg.pd_addr)
+        host, port = parse_pd_addr(cfg.pd_addr)
         port = port or free_port()
         addr = f"{host}:{port}"
         ctx = multiprocessing.get_context("spawn")
@@ -103,7 +103,7 @@ class Workers:
             return f"{name} worker down (exit code {code})"
         return None
 
-    def pids(self) -> dict[str, int]:
+    def pids(self) -> dict[str, int | None]:
         return {"prefill": self.prefill.pid, "decode": self.decode.pid}
 
     def stop(self) -> None:

@@ -1,8 +1,16 @@
-"""``ServerConfig``: everything ``hicache bench serve`` accepts, checked when it is built."""
+"""``ServerConfig``: everything ``hicache bench serve`` accepts, checked when it is built.
+
+It sits at the bottom of the runtime (beside the model): every layer above reads it, it imports
+none of them. Its fields are flat and named as SGLang's server arguments are (an embedding
+caller passes ``ServerConfig(tp=2, page_size=16, ...)``); each field also declares the concern
+it belongs to (:data:`GROUPS`: parallel, cache, storage, speculative, pd, server), which gives
+``bench serve --help`` its panels and :meth:`ServerConfig.group` its typed views. Which modes
+combine is one table, :data:`MODE_RULES`."""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from typing import Any
 
@@ -31,6 +39,115 @@ def _in_range(opt: str, v: Any, lo: float, hi: float, lo_open: bool = False) -> 
     if not ok:
         low = f"> {lo:g}" if lo_open else f">= {lo:g}"
         raise ValueError(f"{opt} must be a finite number {low} and <= {hi:g}, got {v}")
+
+
+def parse_delay(spec: str | None, num_stages: int, tp: int = 1) -> dict:
+    """``--debug-transfer-delay STAGE[.TP]:MS[,...]`` → {stage: seconds} for a whole stage,
+    {(stage, tp_rank): seconds} for one TP rank of a stage (``--pp K --tp N``)."""
+    out: dict = {}
+    for part in (spec or "").split(","):
+        if not part.strip():
+            continue
+        try:
+            s, ms = part.split(":")
+            where, delay = s.split("."), float(ms)
+            stage, rank = int(where[0]), (int(where[1]) if len(where) == 2 else None)
+            if len(where) > 2:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"--debug-transfer-delay {spec!r}: expected STAGE:MS or "
+                             f"STAGE.TP:MS, e.g. 1:20") from None
+        if not 0 <= stage < num_stages or not 0 <= delay <= 60_000 or \
+                (rank is not None and not 0 <= rank < tp):
+            raise ValueError(f"--debug-transfer-delay {spec!r}: stage must be 0..{num_stages - 1}"
+                             f"{f', TP rank 0..{tp - 1}' if tp > 1 else ' (no TP rank without --tp)'}"
+                             f" and MS 0..60000")
+        out[stage if rank is None else (stage, rank)] = delay / 1000.0
+    return out
+
+
+def delay_for(spec: str | None, num_stages: int, tp: int, stage: int, tp_rank: int) -> float:
+    """The debug delay of one rank: its own (``STAGE.TP``), else its stage's, else none."""
+    d = parse_delay(spec, num_stages, tp)
+    return d.get((stage, tp_rank), d.get(stage, 0.0))
+
+
+def parse_fault(spec: str | None) -> dict[str, float]:
+    """``--pd-inject-fault`` (debug, for tests): ``die-after-layers:N`` (the prefill worker
+    exits after sending N layers in all) or ``delay:S`` (sleep S seconds before the first
+    request's first layer)."""
+    if not spec:
+        return {}
+    kind, _, val = spec.partition(":")
+    try:
+        v = float(val)
+    except ValueError:
+        v = -1.0
+    if kind not in ("die-after-layers", "delay") or v < 0:
+        raise ValueError(f"--pd-inject-fault: expected die-after-layers:N or delay:SECONDS, "
+                         f"got {spec!r}")
+    return {kind: v}
+
+
+def parse_pd_addr(addr: str) -> tuple[str, int]:
+    """``--pd-addr HOST:PORT`` → (host, port); port 0: pick one."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"--pd-addr: expected HOST:PORT, got {addr!r}")
+    return host.strip("[]"), int(port)
+
+
+PD_ROLES = ("pd", "prefill", "decode")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModeRule:
+    """Two modes that do not combine: ``applies(cfg)`` says the config asks for both."""
+
+    first: str
+    second: str
+    applies: Any
+    why: str = "yet"
+
+    def message(self) -> str:
+        return f"{self.first} does not combine with {self.second} {self.why}".rstrip()
+
+
+def _spec(c: Any) -> bool:
+    return bool(c.speculative_num_draft_tokens)
+
+
+def _pd(c: Any) -> bool:
+    return c.disaggregation is not None
+
+
+# Every mode combination the server refuses, in one place (checked in this order; the first
+# that applies is the usage error). docs/parallelism.md lists the same table.
+MODE_RULES: tuple[ModeRule, ...] = (
+    ModeRule("--tp > 1", "P/D disaggregation", lambda c: c.tp > 1 and _pd(c)),
+    ModeRule("--tp > 1", "speculative decoding", lambda c: c.tp > 1 and _spec(c)),
+    ModeRule("--cp > 1", "P/D disaggregation", lambda c: c.cp > 1 and _pd(c)),
+    ModeRule("--cp > 1", "speculative decoding", lambda c: c.cp > 1 and _spec(c)),
+    ModeRule("--cp > 1", "the memory L3 backend",
+             lambda c: c.cp > 1 and c.hicache_storage_backend == "memory",
+             "(a memory store lives in one process and each CP rank is one; use file or "
+             "mooncake)"),
+    ModeRule("--pp > 1", "speculative decoding", lambda c: c.pp > 1 and _spec(c)),
+    ModeRule("--pp > 1", "--disaggregation", lambda c: c.pp > 1 and _pd(c)),
+    ModeRule("--disaggregation", "speculative decoding", lambda c: _pd(c) and _spec(c),
+             "yet (the link carries the target's KV only)"),
+    ModeRule("--debug-transfer-delay", "--pp 1",
+             lambda c: c.pp == 1 and bool(c.debug_transfer_delay), "(it needs --pp 2 or more)"),
+    ModeRule("--pp-micro-batches", "--pp 1",
+             lambda c: c.pp == 1 and bool(c.pp_micro_batches), "(it needs --pp 2 or more)"),
+)
+
+
+def check_modes(cfg: Any) -> None:
+    """``ValueError`` for the first :data:`MODE_RULES` entry ``cfg`` breaks."""
+    for rule in MODE_RULES:
+        if rule.applies(cfg):
+            raise ValueError(rule.message())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,15 +232,13 @@ class ServerConfig:
             raise ValueError(f"--cp must be >= 1, got {self.cp}")
         if not 1 <= self.tp <= 8:
             raise ValueError(f"--tp must be 1..8, got {self.tp}")
+        check_modes(self)
         if self.tp > 1:
-            from engine.runtime.tp_serve import check_options
+            from engine.runtime.model.config import PRESETS
+            from engine.runtime.model.tp import check_tp
 
-            check_options(self)
-        if self.cp > 1 and (self.speculative_num_draft_tokens or self.disaggregation is not None):
-            raise ValueError("--cp > 1 does not combine with P/D disaggregation or "
-                             "speculative decoding yet")
-        if self.cp > 1 and self.hicache_storage_backend == "memory":
-            raise ValueError(MEMORY_STORE_CP)
+            if self.model in PRESETS:     # other models are checked once loaded
+                check_tp(PRESETS[self.model], self.tp)
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.l1_tokens < self.page_size:
@@ -175,31 +290,19 @@ class ServerConfig:
                 self.hicache_storage_grid is not None:
             raise ValueError("--hicache-storage-grid applies to the unified layout only")
         check_grid_spec(self.hicache_storage_grid)
-        from engine.runtime.serving.model_id import check_fingerprint
+        from engine.runtime.model_id import check_fingerprint
 
         check_fingerprint(self.hicache_model_fingerprint)
         self.spec_config()
         if self.disaggregation is not None:
-            from engine.runtime.pd.serve import check_options
-
-            check_options(self)
+            self._check_pd()
         if not 1 <= self.pp <= 8:
             raise ValueError(f"--pp must be 1..8, got {self.pp}")
         if self.pp > 1:
-            from engine.runtime.pipeline import parse_delay
-
             parse_delay(self.debug_transfer_delay, self.pp, self.tp)
             if not 0 <= self.pp_micro_batches <= 64:
                 raise ValueError(f"--pp-micro-batches must be 0..64 (0: one per stage), got "
                                  f"{self.pp_micro_batches}")
-            if self.speculative_num_draft_tokens:
-                raise ValueError("--pp cannot be combined with speculative decoding yet")
-            if self.disaggregation is not None:
-                raise ValueError("--pp cannot be combined with --disaggregation yet")
-        elif self.debug_transfer_delay:
-            raise ValueError("--debug-transfer-delay needs --pp 2 or more")
-        elif self.pp_micro_batches:
-            raise ValueError("--pp-micro-batches needs --pp 2 or more")
         self._check_nodes()
         _in_range("--collective-timeout", self.collective_timeout_s, MIN_COLLECTIVE_TIMEOUT_S,
                   MAX_TIMEOUT_S)
@@ -210,6 +313,23 @@ class ServerConfig:
             from engine.parallel.divergence import parse_spec
 
             parse_spec(self.inject_divergence)
+
+    def _check_pd(self) -> None:
+        if self.disaggregation not in PD_ROLES:
+            raise ValueError(f"--disaggregation: choose one of {', '.join(PD_ROLES)}, got "
+                             f"{self.disaggregation!r}")
+        _, port = parse_pd_addr(self.pd_addr)
+        if self.disaggregation != "pd" and port == 0:
+            raise ValueError(f"--disaggregation {self.disaggregation} needs --pd-addr HOST:PORT "
+                             f"(where the prefill worker listens)")
+        t = self.pd_link_timeout
+        if not (isinstance(t, (int, float)) and math.isfinite(t) and 0.5 <= t <= 86400):
+            raise ValueError(f"--pd-link-timeout must be 0.5..86400 seconds, got {t}")
+        parse_fault(self.pd_inject_fault)
+
+    def group(self, name: str) -> dict[str, Any]:
+        """The fields of one concern (a :data:`GROUPS` key), by name."""
+        return {f: getattr(self, f) for f in GROUPS[name]}
 
     @property
     def ranks(self) -> int:
@@ -290,3 +410,40 @@ class ServerConfig:
         else:
             n = int(self.hicache_ratio * self.l1_tokens)
         return n - n % self.page_size
+
+
+# Every field of ServerConfig under the concern it belongs to: ``bench serve --help`` shows one
+# panel per group; tests/test_config_groups.py holds the table complete.
+GROUPS: dict[str, tuple[str, ...]] = {
+    "server": ("host", "port", "device", "model", "seed", "exact", "threads", "record_events",
+               "tokenizer_dir", "served_model_name", "weight_version", "context_length",
+               "max_running_requests", "chunked_prefill_size", "flush_cache_scope",
+               "hicache_model_fingerprint", "rank_log_dir", "inject_divergence",
+               "snapshot_dir"),
+    "cache": ("page_size", "l1_tokens", "l2_tokens", "hicache_ratio", "hicache_size_gb",
+              "write_policy", "write_through_threshold", "host_layout", "eviction_policy",
+              "disable_radix_cache"),
+    "storage": ("hicache_storage_backend", "hicache_storage_dir",
+                "hicache_storage_backend_config", "hicache_storage_size_limit",
+                "hicache_storage_prefetch_policy", "hicache_storage_prefetch_timeout",
+                "hicache_storage_layout", "hicache_storage_grid"),
+    "speculative": ("speculative_num_draft_tokens", "speculative_draft_preset",
+                    "hicache_draft_layout", "debug_skip_draft_restore"),
+    "pd": ("disaggregation", "pd_addr", "pd_decode_reuse", "pd_transfer_timeout",
+           "pd_inject_fault", "pd_link_timeout"),
+    "parallel": ("pp", "tp", "cp", "nnodes", "node_rank", "dist_init_addr", "pp_sync",
+                 "pp_micro_batches", "debug_transfer_delay", "collective_timeout_s",
+                 "rank_heartbeat_timeout_s"),
+}
+GROUP_TITLES = {"server": "Server and model", "cache": "Cache (L1 device, L2 host)",
+                "storage": "Storage (L3)", "speculative": "Speculative decoding",
+                "pd": "Prefill-decode disaggregation", "parallel": "Parallelism (TP, CP, PP, nodes)"}
+FIELD_GROUP = {f: g for g, names in GROUPS.items() for f in names}
+
+
+class Disaggregation(str, enum.Enum):
+    """``--disaggregation``'s roles (docs/pd.md)."""
+
+    pd = "pd"
+    prefill = "prefill"
+    decode = "decode"
