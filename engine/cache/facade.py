@@ -71,9 +71,9 @@ class HiCache:
             self.l1: DevicePool | PairedPool | None = DevicePool(config.layout, config.l1_pages, self.device)
             self.l1_alloc = allocator("L1", config.l1_pages, p) if allocator else self.l1.allocator
             pin = self.device.startswith("cuda")
-            self.l2: HostPool | PairedPool | None = (HostPool(config.layout, config.l2_pages,
-                                                 config.host_layout, pin=pin)
-                                        if config.l2_pages else None)
+            self.l2: HostPool | PairedPool | None = (
+                HostPool(config.layout, config.l2_pages, config.host_layout, pin=pin)
+                if config.l2_pages else None)
             self.l2_alloc = (None if self.l2 is None else allocator("L2", config.l2_pages, p)
                              if allocator else self.l2.allocator)
             self.num_layers = config.layout.num_layers
