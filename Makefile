@@ -30,11 +30,12 @@ bench: venv
 	$(VENV)/bin/hicache bench
 
 test: venv
-	@$(VPY) -m ruff check --quiet . && echo "lint: ruff clean"
+	@$(VPY) -m ruff check --quiet . && $(VPY) -m mypy --no-error-summary && echo "lint: ruff and mypy clean"
 	$(VPY) -m pytest -q
 
 lint: venv
 	$(VPY) -m ruff check .
+	$(VPY) -m mypy
 
 clean:
 	rm -rf $(VENV) build *.egg-info

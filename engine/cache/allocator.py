@@ -41,9 +41,6 @@ class PageAllocator:
     def used_pages(self) -> int:
         return self.num_pages - self._n_free
 
-    def can_alloc(self, n: int) -> bool:
-        return n <= self._n_free
-
     def shortfall(self, n: int, like=None) -> int:
         """Pages missing for ``alloc(n, like)`` (0: it fits now)."""
         return max(0, n - self._n_free)

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import collections
 import heapq
-import itertools
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -27,7 +26,7 @@ from engine.cache.l3 import L3Tier
 from engine.cache.policy import EvictionPolicy, make_policy
 from engine.cache.radix_tree import Node, RadixTree
 from engine.cache.tiers import Tier, l1_candidate, l2_candidate
-from engine.cache.transfer import OpKind, TransferEngine, TransferOp
+from engine.cache.transfer import OpKind, TransferEngine, TransferOp, op_id_sequence
 from engine.cache.types import (  # noqa: F401 (CacheConfig, as_tokens re-exported)
     Admission,
     CacheConfig,
@@ -41,6 +40,10 @@ from engine.cache.types import (  # noqa: F401 (CacheConfig, as_tokens re-export
 from engine.core.device import resolve_device
 from engine.core.errors import OutOfCapacity
 from engine.core.namespace import Namespace, as_namespace
+
+if TYPE_CHECKING:  # torch: the pools are imported only where they are built
+    from engine.cache.pool import DevicePool, HostPool
+    from engine.cache.sidecar import PairedPool
 
 _STAT_COUNTERS = ("match_tokens", "hit_l1_tokens", "hit_l2_tokens", "hit_l3_tokens",
                   "loadback_pages", "loadback_ops", "backup_pages", "evicted_l1_pages",
@@ -65,12 +68,12 @@ class HiCache:
         if config.layout is not None:
             from engine.cache.pool import DevicePool, HostPool  # torch: only when pools exist
 
-            self.l1: DevicePool | None = DevicePool(config.layout, config.l1_pages, self.device)
+            self.l1: DevicePool | PairedPool | None = DevicePool(config.layout, config.l1_pages, self.device)
             self.l1_alloc = allocator("L1", config.l1_pages, p) if allocator else self.l1.allocator
             pin = self.device.startswith("cuda")
-            self.l2: HostPool | None = (HostPool(config.layout, config.l2_pages,
-                                                 config.host_layout, pin=pin)
-                                        if config.l2_pages else None)
+            self.l2: HostPool | PairedPool | None = (
+                HostPool(config.layout, config.l2_pages, config.host_layout, pin=pin)
+                if config.l2_pages else None)
             self.l2_alloc = (None if self.l2 is None else allocator("L2", config.l2_pages, p)
                              if allocator else self.l2.allocator)
             self.num_layers = config.layout.num_layers
@@ -91,7 +94,7 @@ class HiCache:
             self.l1_alloc = make("L1", config.l1_pages, p)
             self.l2_alloc = make("L2", config.l2_pages, p) if config.l2_pages else None
             self.num_layers = 1
-        self._op_ids = itertools.count()   # one op-id sequence: transfers and L3 jobs
+        self._op_ids = op_id_sequence()    # one op-id sequence: transfers and L3 jobs
         self.transfers = TransferEngine(self.device, op_ids=self._op_ids)
         self.l3: L3Tier | None = None      # set by attach_l3
         # A load that finished but is not committed yet counts as an L2 hit, not L1: set where
@@ -290,6 +293,7 @@ class HiCache:
                 k = len(node.tokens) // self.page_size
                 node.l1 = new_pages[off:off + k]
                 node.loading = op
+                assert node.parent is not None   # a path node, never a root
                 node.parent.n_l1_children += 1
                 off += k
             self.events.emit(EV.RESTORE, op=op.op_id, rid=m.rid, pages=int(need))
@@ -358,6 +362,7 @@ class HiCache:
             mine = pages[off:off + k]
             if node.l1 is None:
                 node.l1 = mine.copy()
+                assert node.parent is not None   # a path node, never a root
                 node.parent.n_l1_children += 1
                 revived.append(node)
             else:
@@ -401,15 +406,17 @@ class HiCache:
     def _backup(self, nodes: list[Node], sync: bool = False) -> bool:
         """Issue L1->L2 copies for ``nodes`` (all L1-resident, not in L2). False if no room."""
         p = self.page_size
+        l2_alloc = self.l2_alloc
+        assert l2_alloc is not None, "a backup needs an L2 tier"
         need = sum(len(n.tokens) for n in nodes) // p
         src = np.concatenate([n.l1 for n in nodes])
-        short = self.l2_alloc.shortfall(need, src)
+        short = l2_alloc.shortfall(need, src)
         while short > 0 and self.evict_l2(short):
-            short = self.l2_alloc.shortfall(need, src)
+            short = l2_alloc.shortfall(need, src)
         if short > 0:
             self.counters["backup_no_room"] += 1
             return False
-        dst = self.l2_alloc.alloc(need, like=src)
+        dst = l2_alloc.alloc(need, like=src)
         op = self.transfers.new_op(OpKind.BACKUP, self.l1, src, self.l2, dst, self.num_layers,
                                    payload=list(nodes))
         off = 0
@@ -521,6 +528,7 @@ class HiCache:
                 if self.l3 is not None and node.l3 < k:
                     self.l3.put(node)
             if not claimed.all():
+                assert self.l2_alloc is not None  # a backup op implies an L2 tier
                 self.l2_alloc.free(op.dst_pages[~claimed])
             self.events.emit(EV.BACKUP_DONE, op=op.op_id)
 
@@ -533,9 +541,10 @@ class HiCache:
             t.seq += 1
             heapq.heappush(t.heap, (self.policy.key(node), t.seq, node))
         if node.l2 is not None and (node.l1 is not None or not node.children):
-            t = self._t2
-            t.seq += 1
-            heapq.heappush(t.heap, (self.policy.key(node), t.seq, node))
+            t2 = self._t2
+            assert t2 is not None            # L2 pages imply an L2 tier
+            t2.seq += 1
+            heapq.heappush(t2.heap, (self.policy.key(node), t2.seq, node))
 
     def _evict(self, tier: Tier, n_pages: int) -> int:
         """One eviction pass over ``tier`` (:meth:`Tier.evict`), recorded as one ``evict``."""
@@ -556,13 +565,14 @@ class HiCache:
         if node.l2 is None and self.l2_alloc is not None and (
                 self.write_policy is WritePolicy.WRITE_BACK or node.children):
             self._backup([node], sync=True)
-        parent = node.parent
+        parent, pages = node.parent, node.l1
+        assert parent is not None and pages is not None  # an L1 candidate: a tree node on L1
         if node.l2 is not None:            # backed up: the node stays, L2-only
-            self.l1_alloc.free(node.l1)
+            self.l1_alloc.free(pages)
             node.l1 = None
             self._push_candidate(node)
         elif not node.children:            # nowhere else: the node leaves the tree
-            self.l1_alloc.free(node.l1)
+            self.l1_alloc.free(pages)
             node.l1 = None
             self.tree.remove_leaf(node)
         else:
@@ -572,13 +582,16 @@ class HiCache:
         return True
 
     def evict_l2(self, n_pages: int) -> int:
+        assert self._t2 is not None, "evict_l2 without an L2 tier"
         return self._evict(self._t2, n_pages)
 
     def _evict_l2_node(self, node: Node) -> bool:
         if self.l3 is not None and node.l3 < len(node.tokens) // self.page_size:
             self.l3.put(node, sync=True)
-        parent = node.parent
-        self.l2_alloc.free(node.l2)
+        parent, pages = node.parent, node.l2
+        # an L2 candidate: a tree node on L2 (so there is an L2 tier)
+        assert parent is not None and pages is not None and self.l2_alloc is not None
+        self.l2_alloc.free(pages)
         node.l2 = None
         if node.l1 is None:                # an L2-only leaf leaves the tree
             self.tree.remove_leaf(node)

@@ -355,7 +355,10 @@ class L3Tier:
             self._cache_counters["l3_errors"] += 1
         if job.kind == "put":
             node = job.payload
-            ok = job.error is None and int(job.result) == len(job.hashes)
+            ok = False
+            if job.error is None:
+                assert job.result is not None, "a finished job without an error has a result"
+                ok = int(job.result) == len(job.hashes)
             if self._agree is not None:
                 ok = bool(self._agree([int(ok)])[0])
             if ok:

@@ -6,9 +6,8 @@ A policy turns a node into a sort key; the smallest key is evicted first. Evicti
 
 from __future__ import annotations
 
-import bisect
 import enum
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Protocol
 
 
 class EvictionPolicy(Protocol):
@@ -102,9 +101,3 @@ def make_policy(name: str, **kwargs) -> EvictionPolicy:
 
 def policy_names(include_offline: bool = False) -> list[str]:
     return [n for n in _REGISTRY if include_offline or n != "opt"]
-
-
-def next_occurrence(occurrences: Sequence[int], now: int) -> "int | None":
-    """First element of sorted ``occurrences`` strictly greater than ``now``."""
-    i = bisect.bisect_right(occurrences, now)
-    return occurrences[i] if i < len(occurrences) else None

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import collections
 import math
+from typing import Any
 
 import numpy as np
 
@@ -143,7 +144,8 @@ class DensityPolicy(MeasuringPolicy):
         parent = node.parent
         pst = self._state.get(parent.id) if parent is not None else None
         turn = (pst[_TURN] + 1) if pst is not None else self._depth(node)
-        st = [-1, None, -1, None, turn, -1, len(node.tokens)]
+        # mixed record (ints; _KEY and _CLS are tuples once set): see the indices above
+        st: list[Any] = [-1, None, -1, None, turn, -1, len(node.tokens)]
         if parent is not None and node.hit_count == 0 and not node.children:
             # a newly inserted leaf: advance the clock; a ghost hit is a reuse after eviction
             ghost = self.ghosts.pop(edge_key(parent.id, node, self.page_size))

@@ -29,7 +29,7 @@ def edge_key(parent_id: int, node, page_size: int) -> tuple:
 class GhostTable:
     """``key -> (clock, value)``, entries older than the horizon dropped as the clock moves."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._entries: dict = {}
         self._fifo: collections.deque = collections.deque()
 

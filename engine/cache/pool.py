@@ -156,6 +156,7 @@ class HostPool:
         self.allocator = PageAllocator(num_pages, layout.page_size, name="L2")
         L, K, P, H, D = (layout.num_layers, layout.kv_kinds, layout.page_size,
                          layout.kv_heads, layout.head_dim)
+        shape: tuple[int, ...]
         if self.host_layout is HostLayout.LAYER_FIRST:
             shape = (L, K, num_pages * P, H, D)
         else:
@@ -178,10 +179,6 @@ class HostPool:
         """``fn(pages)`` is called once new bytes have landed in ``pages`` (CPU transfers)."""
         if fn not in self._write_listeners:
             self._write_listeners.append(fn)
-
-    def remove_write_listener(self, fn) -> None:
-        if fn in self._write_listeners:
-            self._write_listeners.remove(fn)
 
     def pages_written(self, pages: np.ndarray) -> None:
         for fn in list(self._write_listeners):

@@ -13,9 +13,13 @@ does, and keeps the per-node bookkeeping fields (``n_l1_children``, ``loading``,
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from engine.cache.transfer import TransferOp
+    from engine.core.hashing import PageHash
 
 TOKEN_DTYPE = np.uint32
 
@@ -38,15 +42,16 @@ class Node:
         self.l1: np.ndarray | None = None      # L1 page ids, one per page of the edge
         self.l2: np.ndarray | None = None      # L2 page ids
         self.l3 = 0                            # pages known to be stored in L3
-        self.l3_hashes = None                  # page hashes, computed when L3 needs them
+        self.l3_hashes: list[PageHash] | None = None  # page hashes, computed when L3 needs them
         self.lock_ref = 0
         self.hit_count = 0
         self.last_access = 0
         self.priority = 0
         self.cp_owner: int | None = None       # owner rank of the first page when CP-sharded
         self.n_l1_children = 0                 # children whose l1 is set
-        self.loading = None                    # in-flight L2->L1 load (LoadHandle) or None
-        self.backing_up = None                 # (in-flight L1->L2 op, first page in op) or None
+        self.loading: TransferOp | None = None  # in-flight L2->L1 load op or None
+        # (in-flight L1->L2 op, first page of this edge in the op) or None
+        self.backing_up: tuple[TransferOp, int] | None = None
 
     @property
     def is_root(self) -> bool:
@@ -111,6 +116,7 @@ class RadixTree:
         assert 0 < n_tokens < len(node.tokens) and n_tokens % p == 0, (n_tokens, len(node))
         k = n_tokens // p
         parent = node.parent
+        assert parent is not None, "a root has no edge to split"
         upper = self._new_node(parent, node.tokens[:n_tokens], node.namespace)
         upper.l1 = None if node.l1 is None else node.l1[:k]
         upper.l2 = None if node.l2 is None else node.l2[:k]
@@ -179,10 +185,10 @@ class RadixTree:
             node = start
             pos = sum(len(x.tokens) for x in path)
         else:
-            node = self.roots.get(namespace)
-            if node is None:
+            root = self.roots.get(namespace)
+            if root is None:
                 return path, 0
-            pos = 0
+            node, pos = root, 0
         n = len(tokens) - len(tokens) % p
         while pos < n:
             child = node.children.get(tokens[pos:pos + p].tobytes())

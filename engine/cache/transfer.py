@@ -255,20 +255,25 @@ class TransferOp:
         return self._error is not None
 
 
+def op_id_sequence(start: int = 0) -> Iterator[OpId]:
+    """A rank's op-id counter: 0, 1, 2, ... typed as :data:`OpId` (the ids are plain ints)."""
+    return map(OpId, itertools.count(start))
+
+
 class TransferEngine:
     """Executes ops in submission order per queue, loads before backups."""
 
     def __init__(self, device: str = "cpu", op_ids: Iterator[OpId] | None = None):
         self.device = device
         # Op ids (formats.ranklog_events.OpId): the facade shares one sequence with its L3 tier.
-        self._op_ids = op_ids if op_ids is not None else itertools.count()
+        self._op_ids = op_ids if op_ids is not None else op_id_sequence()
         self._work: "queue.PriorityQueue[tuple[int, int, TransferOp | None]]" = queue.PriorityQueue()
         self._thread: threading.Thread | None = None
-        self._stream = None
+        self._stream: torch.cuda.Stream | None = None
         self._lock = threading.Lock()
         self._running = threading.Event()
         self._running.set()
-        self.bytes_moved = collections.Counter()
+        self.bytes_moved: collections.Counter[str] = collections.Counter()
         self.debug_delay_s = 0.0   # debug: hold each CPU copy this long (stage-delay demos/tests)
 
     def pause(self) -> None:

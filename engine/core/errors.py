@@ -24,10 +24,6 @@ class StorageError(HiCacheError):
     """An L3 backend failed (unreachable, I/O error)."""
 
 
-class CorruptObject(StorageError):
-    """A stored object failed its checksum or layout check; treated as a miss."""
-
-
 class CheckFailed(HiCacheError):
     """A checker found a problem (exit code 3 in the CLI)."""
 

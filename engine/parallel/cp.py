@@ -132,9 +132,6 @@ class OwnerAllocator:
         need = self.shape.counts(self.owners_for(n, like, first_owner))
         return int(max(0, (need - self.free_per_rank()).max()))
 
-    def can_alloc(self, n: int) -> bool:
-        return n <= self.free_pages
-
     # -- alloc / free --------------------------------------------------------------------------
     def alloc(self, n: int, like=None) -> np.ndarray:
         if n < 0:

@@ -81,9 +81,6 @@ class ByteTokenizer:
         return bytes([token_id]).decode("utf-8", errors="replace") if 0 <= token_id < 256 \
             else ""
 
-    def is_special(self, token_id: int) -> bool:
-        return token_id >= 256
-
     def stream(self) -> "_ByteStream":
         return _ByteStream()
 
