@@ -1,0 +1,489 @@
+"""SGLang's own L3 file store (its ``HiCacheFile`` backend, as of SGLang 0.5.23) at rest, for
+``hicache convert-layout`` (docs/sglang-stores.md).
+
+Such a store is a directory of raw page files named ``{page_hash}{suffix}.bin``: the page hash
+is SGLang's chained SHA-256 (the same chain as :mod:`engine.core.hashing`), the suffix names the
+writer — ``_{model}_{tp_rank}_{tp_size}`` plus ``_{pp_size}_{pp_rank}`` with pipeline
+parallelism (MLA: ``_{model}`` and the PP part only; every TP rank shares the file). The bytes
+carry no header: the host layout, dtype, page size and head count are written nowhere, so the
+user states the geometry (:class:`Geometry`, parsed from ``sglang-file:DIR?field=value&…``) and
+this module checks it against what can be seen — file names and their rank suffixes, object
+sizes, which ranks hold each page (:func:`scan`, :func:`check`).
+
+One page of one rank, per host layout (``K`` = 2 kinds K and V, 1 for MLA; ``L`` the rank's
+layers, ``P`` the page size, ``H`` its kv-heads, each element a ``head_dim`` row):
+``layer_first`` and ``page_first_direct`` ``[K, L, P, H]``; ``page_first`` ``[K, P, L, H]``;
+``page_head`` ``[K, H, P, L]`` (not for MLA).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import re
+import urllib.parse
+
+import numpy as np
+
+from engine.core.errors import InputError, UsageError
+
+SCHEME = "sglang-file:"
+SGLANG_VERSION = "0.5.23"
+"""The SGLang release whose file names and page layouts this module follows."""
+
+LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+_ORDERS = {  # physical axis order of one page, as positions in (kinds, layers, tokens, heads)
+    "layer_first": (0, 1, 2, 3),
+    "page_first_direct": (0, 1, 2, 3),
+    "page_first": (0, 2, 1, 3),
+    "page_head": (0, 3, 2, 1),
+}
+DTYPES = {"bf16": ("bfloat16", 2), "bfloat16": ("bfloat16", 2), "fp16": ("float16", 2),
+          "float16": ("float16", 2), "fp32": ("float32", 4), "float32": ("float32", 4),
+          "fp8_e4m3": ("fp8_e4m3", 1), "fp8_e5m2": ("fp8_e5m2", 1)}
+"""dtype spellings: a name and its element size (fp8 only between SGLang stores)."""
+
+FIELDS = ("model", "layers", "kv_heads", "head_dim", "dtype", "page_size", "layout", "tp",
+          "pp", "pp_layers", "mla")
+REQUIRED = ("model", "layers", "kv_heads", "head_dim", "dtype", "page_size", "layout")
+LIMITS = {"layers": 1024, "kv_heads": 1024, "head_dim": 1 << 16, "page_size": 1 << 16,
+          "tp": 1024, "pp": 1024}
+MAX_MODEL_CHARS = 200
+MAX_FILES = 50_000_000
+"""Page files listed at most (the listing keeps a few dozen bytes per file)."""
+
+_FILE = re.compile(r"^([0-9a-f]{64})(_.*)\.bin$")
+
+
+def is_sglang(spec: str | None) -> bool:
+    return isinstance(spec, str) and spec.startswith(SCHEME)
+
+
+def sg_model_name(name: str) -> str:
+    """The model as SGLang spells it in file names (``/`` becomes ``-``)."""
+    return "-".join(name.split("/"))
+
+
+def sg_pp_range(layers: int, pp: int, rank: int, parts: tuple[int, ...] | None = None
+                ) -> tuple[int, int]:
+    """Layers of SGLang pipeline stage ``rank``: ``parts`` (its ``SGLANG_PP_LAYER_PARTITION``)
+    or an even split with the *last* ``layers % pp`` stages one layer more (SGLang's rule;
+    hicache's own gives the extra layers to the first stages)."""
+    if parts is not None:
+        start = sum(parts[:rank])
+        return start, start + parts[rank]
+    base, extra = divmod(layers, pp)
+    if rank >= pp - extra:
+        start = rank * (base + 1) - (pp - extra)
+        return start, start + base + 1
+    return rank * base, (rank + 1) * base
+
+
+@dataclasses.dataclass(frozen=True)
+class Rank:
+    tp_rank: int | None            # None: MLA (every TP rank shares the file)
+    pp_rank: int
+    layers: tuple[int, int]
+    heads: tuple[int, int]
+    suffix: str
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """What an SGLang store holds, as the user states it."""
+
+    model: str                      # as in the file names
+    layers: int
+    kv_heads: int                   # total (MLA: 1)
+    head_dim: int                   # MLA: the latent width (kv_lora_rank + rope dim)
+    dtype: str
+    page_size: int
+    layout: str
+    tp: int = 1
+    pp: int = 1
+    pp_layers: tuple[int, ...] | None = None
+    mla: bool = False
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype][1]
+
+    @property
+    def dtype_name(self) -> str:
+        return DTYPES[self.dtype][0]
+
+    @property
+    def kinds(self) -> int:
+        return 1 if self.mla else 2
+
+    @property
+    def row_bytes(self) -> int:
+        return self.head_dim * self.itemsize
+
+    def label(self) -> str:
+        s = f"sglang:{self.layout},tp={self.tp}"
+        if self.pp > 1:
+            s += f",pp={self.pp}"
+        return s + (",mla" if self.mla else "")
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["pp_layers"] = list(self.pp_layers) if self.pp_layers else None
+        return d
+
+    def query(self) -> str:
+        """The geometry as a ``sglang-file:`` query string."""
+        d = {k: v for k, v in self.to_dict().items() if v not in (None, False)}
+        if d.get("pp_layers"):
+            d["pp_layers"] = ",".join(map(str, d["pp_layers"]))
+        if d.get("mla"):
+            d["mla"] = 1
+        return urllib.parse.urlencode(d, safe=",")
+
+    def ranks(self) -> list[Rank]:
+        """Every writer of a page (MLA: one per PP stage), PP stages outer."""
+        out = []
+        for p in range(self.pp):
+            lr = sg_pp_range(self.layers, self.pp, p, self.pp_layers)
+            pp_part = f"_{self.pp}_{p}" if self.pp > 1 else ""
+            if self.mla:
+                nb = (lr[1] - lr[0]) * self.page_size * self.row_bytes
+                out.append(Rank(None, p, lr, (0, 1), f"_{self.model}{pp_part}", nb))
+                continue
+            for t in range(self.tp):
+                if self.tp <= self.kv_heads:
+                    n = self.kv_heads // self.tp
+                    hr = (t * n, (t + 1) * n)
+                else:               # more ranks than heads: each head on tp/heads ranks
+                    h = t // (self.tp // self.kv_heads)
+                    hr = (h, h + 1)
+                nb = 2 * (lr[1] - lr[0]) * self.page_size * (hr[1] - hr[0]) * self.row_bytes
+                out.append(Rank(t, p, lr, hr, f"_{self.model}_{t}_{self.tp}{pp_part}", nb))
+        return out
+
+    def page_bytes(self) -> int:
+        """Bytes of one page of the whole model (K and V, every layer and head)."""
+        return self.kinds * self.layers * self.page_size * \
+            (1 if self.mla else self.kv_heads) * self.row_bytes
+
+    # -- one rank's page bytes <-> rows [layers, kinds, tokens, heads] --------------------------
+    def _shape(self, r: Rank) -> tuple[int, int, int, int]:
+        return (self.kinds, r.layers[1] - r.layers[0], self.page_size, r.heads[1] - r.heads[0])
+
+    def rows(self, buf, r: Rank) -> np.ndarray:
+        """``[layers, kinds, tokens, heads]`` rows (a view) of rank ``r``'s page bytes."""
+        order = _ORDERS[self.layout]
+        shape = self._shape(r)
+        a = np.frombuffer(buf, dtype=np.dtype((np.void, self.row_bytes)))
+        phys = a.reshape(tuple(shape[i] for i in order))
+        # phys axis j holds logical axis order[j]; logical (k, l, t, h) -> our (l, k, t, h)
+        inv = [order.index(i) for i in range(4)]
+        return phys.transpose(inv).transpose(1, 0, 2, 3)
+
+
+def _int_field(name: str, raw: str, what: str) -> int:
+    if not re.fullmatch(r"\d{1,7}", raw.strip()):
+        raise UsageError(f"{what}: {name}={raw!r:.40} is not a whole number")
+    v = int(raw)
+    if v < 1 or v > LIMITS.get(name, 1 << 20):
+        raise UsageError(f"{what}: {name}={v} is out of range (1..{LIMITS.get(name, 1 << 20)})")
+    return v
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """``sglang-file:DIR[?field=value&…]`` -> (DIR, the fields given, parsed and range-checked;
+    UsageError naming the field otherwise)."""
+    if not is_sglang(spec):
+        raise UsageError(f"not an SGLang store address: {spec!r:.80} (sglang-file:DIR?…)")
+    rest = spec[len(SCHEME):]
+    path, _, q = rest.partition("?")
+    if path.startswith("//"):
+        path = path[2:]
+    what = f"{SCHEME}{path}"
+    if not path:
+        raise UsageError(f"{SCHEME}: no directory given (sglang-file:DIR?model=…)")
+    fields: dict = {}
+    for part in q.split("&") if q else []:
+        if not part:
+            continue
+        k, eq, v = part.partition("=")
+        k = urllib.parse.unquote(k).strip()
+        v = urllib.parse.unquote(v)
+        if k not in FIELDS:
+            raise UsageError(f"{what}: unknown geometry field {k!r:.40} (fields: "
+                             f"{', '.join(FIELDS)})")
+        if not eq:
+            raise UsageError(f"{what}: field {k} has no value ({k}=…)")
+        if k in fields:
+            raise UsageError(f"{what}: field {k} is given twice")
+        fields[k] = _parse_value(k, v, what)
+    return path, fields
+
+
+def _parse_value(k: str, v: str, what: str):
+    if k == "model":
+        name = sg_model_name(v.strip())
+        if not name or len(name) > MAX_MODEL_CHARS or not name.isprintable() or \
+                name in (".", "..") or "\\" in name:
+            raise UsageError(f"{what}: model={v!r:.60} is not a model name as SGLang writes it "
+                             f"in file names (1-{MAX_MODEL_CHARS} printable characters)")
+        return name
+    if k == "dtype":
+        if v.strip().lower() not in DTYPES:
+            raise UsageError(f"{what}: dtype={v!r:.40} is not one of "
+                             f"{', '.join(sorted(set(DTYPES)))}")
+        return v.strip().lower()
+    if k == "layout":
+        if v.strip() not in LAYOUTS:
+            raise UsageError(f"{what}: layout={v!r:.40} is not one of {', '.join(LAYOUTS)} "
+                             "(SGLang's --hicache-mem-layout)")
+        return v.strip()
+    if k == "mla":
+        if v.strip().lower() not in ("0", "1", "true", "false", "yes", "no"):
+            raise UsageError(f"{what}: mla={v!r:.20} is not 0 or 1")
+        return v.strip().lower() in ("1", "true", "yes")
+    if k == "pp_layers":
+        parts = v.split(",")
+        if len(parts) > LIMITS["pp"]:
+            raise UsageError(f"{what}: pp_layers has more than {LIMITS['pp']} stages")
+        return tuple(_int_field("pp_layers", p, what) for p in parts)
+    return _int_field(k, v, what)
+
+
+def geometry(fields: dict, what: str, base: Geometry | None = None,
+             fixed: tuple[str, ...] = ()) -> Geometry:
+    """A checked :class:`Geometry` from parsed fields; ``base`` fills the fields not given
+    (a destination takes the source's), and ``fixed`` names fields that must equal ``base``'s
+    (a conversion never changes the model's KV). UsageError naming the field otherwise."""
+    d = dict(fields)
+    if base is not None:
+        for k in fixed:
+            if k in d and d[k] != getattr(base, k) and \
+                    not (k == "dtype" and DTYPES[d[k]][0] == base.dtype_name):
+                raise UsageError(f"{what}: {k}={d[k]} differs from the source's "
+                                 f"{k}={getattr(base, k)} (a conversion never changes a model's "
+                                 "KV; only model, layout, tp, pp and pp_layers may change)")
+        keep = {k: getattr(base, k) for k in FIELDS if k not in d}
+        if "pp" in d and "pp_layers" not in d:
+            keep.pop("pp_layers", None)
+        d = {**keep, **d}
+    missing = [k for k in REQUIRED if k not in d]
+    if d.get("mla") and "kv_heads" in missing:
+        missing.remove("kv_heads")
+        d["kv_heads"] = 1
+    if missing:
+        raise UsageError(f"{what}: geometry field {missing[0]} is missing (an SGLang store's "
+                         "files do not record it; give model, layers, kv_heads, head_dim, "
+                         "dtype, page_size, layout and tp in the address, e.g. "
+                         f"{SCHEME}DIR?model=M&layers=32&kv_heads=8&head_dim=128&dtype=bf16"
+                         "&page_size=64&layout=page_first&tp=2)")
+    g = Geometry(**{k: d[k] for k in FIELDS if k in d})
+    if g.mla and g.kv_heads != 1:
+        raise UsageError(f"{what}: kv_heads={g.kv_heads} with mla=1 (an MLA store holds one "
+                         "latent vector per token: kv_heads=1, head_dim = its width)")
+    if g.mla and g.layout == "page_head":
+        raise UsageError(f"{what}: layout=page_head does not exist for MLA in SGLang")
+    if not g.mla and g.kv_heads % g.tp and g.tp % g.kv_heads:
+        raise UsageError(f"{what}: tp={g.tp} cannot split kv_heads={g.kv_heads} (tp must divide "
+                         "the kv-heads or be a multiple of them)")
+    if g.pp > g.layers:
+        raise UsageError(f"{what}: pp={g.pp} is more stages than layers={g.layers}")
+    if g.pp_layers is not None and (len(g.pp_layers) != g.pp or sum(g.pp_layers) != g.layers):
+        raise UsageError(f"{what}: pp_layers={','.join(map(str, g.pp_layers))} must give pp="
+                         f"{g.pp} stage sizes summing to layers={g.layers}")
+    if g.pp_layers is not None and g.pp == 1:
+        g = dataclasses.replace(g, pp_layers=None)
+    return g
+
+
+# -- what a directory holds ------------------------------------------------------------------
+@dataclasses.dataclass
+class Listing:
+    """Page files of a directory, by suffix: ``{suffix: {page hash: size}}``, plus what is not
+    a page file."""
+
+    root: str
+    by_suffix: dict[str, dict[str, int]]
+    other_files: int = 0
+    links: int = 0
+
+
+def list_store(root: str) -> Listing:
+    """Every ``{hash}{suffix}.bin`` regular file of ``root`` (symbolic links and temporary
+    files are never read; InputError when ``root`` is not a readable directory)."""
+    if not os.path.isdir(root):
+        what = "does not exist" if not os.path.exists(root) else "is not a directory"
+        raise InputError(f"SGLang store {root} {what}")
+    out = Listing(root, collections.defaultdict(dict))
+    n = 0
+    try:
+        with os.scandir(root) as it:
+            for e in it:
+                m = _FILE.match(e.name)
+                if m is None:
+                    if not e.name.startswith("."):
+                        out.other_files += 1
+                    continue
+                if not e.is_file(follow_symlinks=False):
+                    out.links += 1
+                    continue
+                n += 1
+                if n > MAX_FILES:
+                    raise InputError(f"SGLang store {root} holds more than {MAX_FILES:,} page "
+                                     "files")
+                try:
+                    size = e.stat(follow_symlinks=False).st_size
+                except OSError:
+                    continue
+                out.by_suffix[m.group(2)][m.group(1)] = size
+    except PermissionError:
+        raise InputError(f"SGLang store {root} cannot be read (permission denied)") from None
+    out.by_suffix = dict(out.by_suffix)
+    return out
+
+
+_TAIL2 = re.compile(r"^_(.*)_(\d+)_(\d+)$")
+_TAIL4 = re.compile(r"^_(.*)_(\d+)_(\d+)_(\d+)_(\d+)$")
+
+
+def read_suffix(suffix: str) -> dict:
+    """What a file-name suffix says on its own (no geometry): model, tp rank/size, pp size/rank,
+    or MLA. A model name ending in ``_<digits>`` makes this a guess; :func:`check` decides."""
+    m = _TAIL4.match(suffix)
+    if m and int(m.group(2)) < int(m.group(3)) and int(m.group(5)) < int(m.group(4)):
+        return {"model": m.group(1), "tp_rank": int(m.group(2)), "tp": int(m.group(3)),
+                "pp": int(m.group(4)), "pp_rank": int(m.group(5)), "mla": False}
+    m = _TAIL2.match(suffix)
+    if m and int(m.group(2)) < int(m.group(3)):
+        return {"model": m.group(1), "tp_rank": int(m.group(2)), "tp": int(m.group(3)),
+                "pp": 1, "pp_rank": 0, "mla": False}
+    if m and int(m.group(3)) < int(m.group(2)):
+        return {"model": m.group(1), "tp_rank": None, "tp": None, "pp": int(m.group(2)),
+                "pp_rank": int(m.group(3)), "mla": True}
+    return {"model": suffix[1:], "tp_rank": None, "tp": None, "pp": 1, "pp_rank": 0,
+            "mla": True}
+
+
+def shapes(listing: Listing) -> list[dict]:
+    """The (model, tp, pp, MLA) shapes the file names show, with files, bytes and object sizes
+    per rank suffix: what ``--scan`` prints without a geometry."""
+    groups: dict[tuple, dict] = {}
+    for suffix, files in sorted(listing.by_suffix.items()):
+        s = read_suffix(suffix)
+        g = groups.setdefault((s["model"], s["tp"], s["pp"], s["mla"]), {
+            "model": s["model"], "tp": s["tp"], "pp": s["pp"], "mla": s["mla"], "ranks": {}})
+        sizes = collections.Counter(files.values())
+        g["ranks"][suffix] = {"files": len(files), "bytes": sum(files.values()),
+                              "object_sizes": {str(k): v for k, v in sizes.most_common(4)}}
+    for g in groups.values():
+        g["files"] = sum(r["files"] for r in g["ranks"].values())
+        g["bytes"] = sum(r["bytes"] for r in g["ranks"].values())
+    return list(groups.values())
+
+
+@dataclasses.dataclass
+class Check:
+    """A stated geometry checked against a listing: the complete pages (every rank's file there,
+    at the right size), and what was left out."""
+
+    geometry: Geometry
+    pages: list[str]                                # complete pages, sorted
+    per_rank: dict[str, int]                        # suffix -> files of the right size
+    incomplete: list[str]                           # pages some ranks lack (or mis-sized)
+    mis_sized: int
+    other_files: int                                # page files of other models or shapes
+    bytes_in: int
+
+    def summary(self) -> dict:
+        return {"geometry": self.geometry.to_dict(), "pages": len(self.pages),
+                "files_per_rank": self.per_rank, "incomplete_pages": len(self.incomplete),
+                "incomplete_examples": self.incomplete[:4], "mis_sized": self.mis_sized,
+                "other_files": self.other_files, "bytes_in": self.bytes_in}
+
+
+def _size_hint(g: Geometry, r: Rank, seen: int) -> str:
+    """Which one stated field, changed, would give files of ``seen`` bytes."""
+    hints = []
+    for name in ("dtype", "head_dim", "kv_heads", "layers", "page_size", "tp", "mla"):
+        for alt in _alternatives(g, name):
+            try:
+                g2 = dataclasses.replace(g, **{name: alt})
+                if name == "mla" and alt:
+                    g2 = dataclasses.replace(g2, kv_heads=1)
+                sizes = {x.nbytes for x in g2.ranks()}
+            except (ZeroDivisionError, ValueError, IndexError):
+                continue
+            if sizes == {seen}:
+                hints.append(f"{name}={int(alt) if isinstance(alt, bool) else alt}")
+    return f" (files of that size fit {' or '.join(hints[:4])})" if hints else ""
+
+
+def _alternatives(g: Geometry, name: str) -> list:
+    if name == "dtype":
+        return sorted({k for k, v in DTYPES.items() if v[1] != g.itemsize and len(k) <= 4})
+    if name == "mla":
+        return [not g.mla]
+    v = getattr(g, name)
+    out = [v * 2, v // 2, v * 4, v // 4, v * 8] + list(range(1, 9))
+    return sorted({x for x in out if x >= 1 and x != v and
+                   (name != "tp" or not (g.kv_heads % x and x % g.kv_heads)) and
+                   (name != "layers" or x >= g.pp) and
+                   (name != "kv_heads" or not (x % g.tp and g.tp % x))})
+
+
+def check(listing: Listing, g: Geometry, what: str) -> Check:
+    """The complete pages of geometry ``g`` in ``listing``; InputError naming the field when the
+    store contradicts the stated geometry (no file of any of its ranks, files of another TP/PP
+    shape or model only, or every file of a rank the wrong size)."""
+    ranks = g.ranks()
+    mine = {r.suffix: r for r in ranks}
+    present = [s for s in mine if listing.by_suffix.get(s)]
+    if not present:
+        raise InputError(f"{what}: {_why_absent(listing, g)}")
+    for s in present:
+        r, files = mine[s], listing.by_suffix[s]
+        if not any(size == r.nbytes for size in files.values()):
+            seen = collections.Counter(files.values()).most_common(1)[0][0]
+            raise InputError(
+                f"{what}: every file *{s}.bin is {seen:,} bytes but the stated geometry gives "
+                f"{r.nbytes:,} ({g.kinds} x layers {r.layers[1] - r.layers[0]} x page_size "
+                f"{g.page_size} x kv_heads {r.heads[1] - r.heads[0]} x head_dim {g.head_dim} x "
+                f"{g.itemsize}-byte {g.dtype}){_size_hint(g, r, seen)}; check layers, "
+                "kv_heads, head_dim, dtype, page_size, tp and mla")
+    good: dict[str, set] = {}
+    mis = 0
+    for r in ranks:
+        files = listing.by_suffix.get(r.suffix, {})
+        ok = {h for h, size in files.items() if size == r.nbytes}
+        mis += len(files) - len(ok)
+        good[r.suffix] = ok
+    every = set().union(*(listing.by_suffix.get(r.suffix, {}).keys() for r in ranks))
+    complete = set.intersection(*good.values()) if good else set()
+    other = sum(len(f) for s, f in listing.by_suffix.items() if s not in mine)
+    return Check(g, sorted(complete), {s: len(v) for s, v in good.items()},
+                 sorted(every - complete), mis, other,
+                 sum(size for r in ranks for size in listing.by_suffix.get(r.suffix, {}).values()))
+
+
+def _why_absent(listing: Listing, g: Geometry) -> str:
+    want = g.ranks()[0].suffix
+    if not listing.by_suffix:
+        return f"holds no SGLang page files ({{page_hash}}{want}.bin)"
+    seen = shapes(listing)
+    same = [s for s in seen if s["model"] == g.model]
+    if same:
+        s = same[0]
+        if s["mla"] != g.mla:
+            return ("mla: its files of model " + repr(g.model) + (
+                " carry no TP rank (an MLA store: state mla=1)" if s["mla"] else
+                " carry TP ranks (not an MLA store: state mla=0)"))
+        if s["tp"] != g.tp and not g.mla:
+            return (f"tp: it holds no files of tp={g.tp} for model {g.model!r} (*{want}.bin); "
+                    f"its files are of tp={s['tp']}" + (f", pp={s['pp']}" if s["pp"] > 1 else ""))
+        return (f"pp: it holds no files of pp={g.pp} for model {g.model!r} (*{want}.bin); its "
+                f"files are of pp={s['pp']}")
+    models = sorted({s["model"] for s in seen})
+    return (f"model: it holds no files of model {g.model!r} (*{want}.bin); the models its file "
+            f"names show: {', '.join(map(repr, models[:6]))}")
