@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import stat
 import threading
 import time
 import uuid
@@ -34,6 +35,7 @@ from typing import Callable
 import numpy as np
 
 from engine.core.errors import InputError, StorageError, UsageError
+from engine.storage.backends.fileio import WRITE_CHUNK
 from engine.storage.sglang_store import (
     Check,
     Geometry,
@@ -89,7 +91,7 @@ def read_exact(path: str, nbytes: int, buf: np.ndarray | None = None) -> np.ndar
         return None
     try:
         st = os.fstat(fd)
-        if st.st_size != nbytes or not (st.st_mode & 0o170000 == 0o100000):
+        if st.st_size != nbytes or not stat.S_ISREG(st.st_mode):
             return None
         out = np.empty(nbytes, np.uint8) if buf is None else buf
         view, at = memoryview(out), 0
@@ -105,6 +107,24 @@ def read_exact(path: str, nbytes: int, buf: np.ndarray | None = None) -> np.ndar
         os.close(fd)
 
 
+def map_exact(path: str, nbytes: int):
+    """The file mapped read-only when it is a regular file of exactly ``nbytes``, else None.
+    SGLang never rewrites a page file in place (it renames whole new files into place and
+    unlinks evicted ones), so the size checked here holds while it is mapped."""
+    from engine.storage.convert_io import map_source
+
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return map_source(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
 class SGLangSide:
     """An SGLang store directory with its geometry (checked against the files as a source)."""
 
@@ -116,8 +136,7 @@ class SGLangSide:
     def pieces(self, page: str, take=None) -> list[Piece] | None:
         out = []
         for r in self.ranks:
-            raw = read_exact(os.path.join(self.root, f"{page}{r.suffix}.bin"), r.nbytes,
-                             None if take is None else take(r.nbytes))
+            raw = map_exact(os.path.join(self.root, f"{page}{r.suffix}.bin"), r.nbytes)
             if raw is None:
                 return None
             out.append(Piece(r.layers, r.heads, self.g.rows(raw, r)))
@@ -503,8 +522,8 @@ def write_atomic(root: str, name: str, buf) -> None:
                  0o644)
     try:
         view, at = memoryview(buf).cast("B"), 0
-        while at < len(view):
-            at += os.write(fd, view[at:])
+        while at < len(view):       # capped calls: see WRITE_CHUNK (large folios cost more)
+            at += os.write(fd, view[at:at + WRITE_CHUNK])
         os.close(fd)
         fd = -1
         os.replace(tmp, os.path.join(root, name))
