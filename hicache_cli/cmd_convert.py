@@ -151,7 +151,8 @@ def _sg_human(s: dict[str, Any], title: str) -> None:
     stdout.print(f"{title}: {s['source_layout']} -> {s['target_layout']}")
     stdout.print(f"  pages: {s['pages']:,} complete, {s.get('incomplete_pages', 0):,} "
                  f"incomplete (skipped); in: {_mb(s.get('bytes_in', 0))}")
-    stdout.print(f"  out: {s['objects_out']:,} objects, {_mb(s['bytes_out'])}")
+    stdout.print(f"  out: {s['objects_out']:,} objects, {_mb(s['bytes_out'])} "
+                 f"({s.get('present', 0):,} already in the destination)")
     skipped = {k: s[k] for k in ("mis_sized", "other_files", "corrupt", "foreign",
                                  "read_failed", "not_produced") if s.get(k)}
     if skipped:
@@ -209,7 +210,7 @@ def scan_sglang(src_spec: str, fmt: OutputFormat) -> None:
     out: dict[str, Any] = {"store": root, "sglang_version_followed": ss.SGLANG_VERSION,
                            "page_files": sum(len(f) for f in listing.by_suffix.values()),
                            "bytes": sum(sum(f.values()) for f in listing.by_suffix.values()),
-                           "other_files": listing.other_files, "links_skipped": listing.links,
+                           "other_files": listing.other_files, "not_regular_skipped": listing.not_regular,
                            "shapes": ss.shapes(listing), "geometry_check": None}
     problem = None
     if fields:

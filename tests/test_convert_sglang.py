@@ -36,7 +36,8 @@ def spec(name: str, root: str | None = None, **over) -> str:
     m = meta(name)
     g = {"model": m["model"], "layers": m["layers"], "kv_heads": m["kv_heads"],
          "head_dim": m["head_dim"], "dtype": m["dtype"], "page_size": m["page_size"],
-         "layout": m["layout"], "tp": m["tp"], "pp": m.get("pp", 1), **over}
+         "layout": m["layout"], "tp": m["tp"], "pp": m.get("pp", 1),
+         "mla": int(m.get("mla", False)), **over}
     q = "&".join(f"{k}={v}" for k, v in g.items() if v is not None)
     return f"sglang-file:{root or os.path.join(DATA, name)}?{q}"
 
@@ -89,6 +90,29 @@ def test_pp_stage_sets_and_namespaced_chains_match_sglang(tmp_path):
     # the namespaced chain is kept: its keys are not the plain chain's
     assert not set(files(tmp_path / "page_first-tp1-bf16-ns")) & \
         set(files(os.path.join(DATA, "page_first-tp1-bf16")))
+
+
+def test_mla_stores_convert_to_what_sglang_writes(tmp_path):
+    """MLA: one file per page (per PP stage) shared by every TP rank, ``[layers, tokens, 1,
+    latent]`` or ``[tokens, layers, 1, latent]``."""
+    mla = ("layer_first", "page_first", "page_first_direct")
+    for a in mla:
+        for b in mla:
+            out = tmp_path / f"{a}-{b}"
+            s = convert_api(spec(f"mla-{a}-bf16"), f"sglang-file:{out}?layout={b}&tp=1")
+            assert s["written"] == 3
+            assert files(out) == files(os.path.join(DATA, f"mla-{b}-bf16")), (a, b)
+    out = tmp_path / "pp2"
+    convert_api(spec("mla-layer_first-bf16"), f"sglang-file:{out}?layout=page_first&pp=2")
+    assert files(out) == files(os.path.join(DATA, "mla-page_first-pp2-bf16"))
+    mid, back = tmp_path / "hicache", tmp_path / "back"
+    convert_api(spec("mla-page_first-pp2-bf16"), str(mid), model_tag="m")
+    convert_api(str(mid), f"sglang-file:{back}?model=fixture/small&layout=page_first_direct")
+    assert files(back) == files(os.path.join(DATA, "mla-page_first_direct-bf16"))
+    with pytest.raises(InputError, match="mla: its files of model 'fixture-small' carry no TP"):
+        sc.plan(spec("mla-page_first-bf16", mla=0, kv_heads=2), f"sglang-file:{out}2")
+    with pytest.raises(UsageError, match="layout=page_head does not exist for MLA"):
+        sc.plan(spec("mla-page_first-bf16", layout="page_head"), f"sglang-file:{out}2")
 
 
 @pytest.mark.parametrize("to", ["unified", "unified:layers=1,heads=1+page_first",
@@ -210,6 +234,7 @@ def test_scan_reports_shapes_pages_and_the_geometry_check(tmp_path):
     out = json.loads(r.stdout)
     shapes = {(s["model"], s["tp"], s["pp"]): s for s in out["shapes"]}
     assert set(shapes) == {("fixture-small", 2, 1), ("fixture-small", 1, 2)}
+    assert out["not_regular_skipped"] == 0
     assert shapes[("fixture-small", 2, 1)]["ranks"]["_fixture-small_1_2"]["files"] == 2
     r = cli("--scan", spec("page_first-tp2-bf16", str(src)), "--format", "json")
     gc = json.loads(r.stdout)["geometry_check"]
@@ -266,3 +291,25 @@ def test_file_names_and_stage_split_follow_sglang():
     assert ss.read_suffix("_Qwen-Qwen3-8B_2_1")["mla"] is True
     _, again = ss.parse_spec("sglang-file:/x?" + g.query())
     assert ss.geometry(again, "x") == g
+
+
+def test_links_fifos_and_directories_named_like_pages_are_never_read(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(os.path.join(DATA, "page_first-tp1-fp16"), src)
+    hs = meta("page_first-tp1-fp16")["page_hashes"]
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"\x01" * 512)                              # the right size, even
+    for h in hs[:2]:
+        os.remove(src / f"{h}_fixture-small_0_1.bin")
+    os.symlink(outside, src / f"{hs[0]}_fixture-small_0_1.bin")
+    os.mkfifo(src / f"{hs[1]}_fixture-small_0_1.bin")
+    os.mkdir(src / f"{'ab' * 32}_fixture-small_0_1.bin")
+    r = cli("--scan", spec("page_first-tp1-fp16", str(src)), "--format", "json")
+    out = json.loads(r.stdout)
+    assert r.exit_code == 0 and out["not_regular_skipped"] == 3
+    assert out["geometry_check"]["pages"] == 1
+    dst = tmp_path / "dst"
+    s = convert_api(spec("page_first-tp1-fp16", str(src)), f"sglang-file:{dst}?tp=2")
+    assert s["pages"] == 1 and s["written"] == 2
+    want = files(os.path.join(DATA, "page_first-tp2-fp16"))
+    assert files(dst) == {k: v for k, v in want.items() if k.startswith(hs[2])}

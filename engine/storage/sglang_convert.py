@@ -274,10 +274,25 @@ def plan(src_spec: str, dst_spec: str, *, to: str = "unified", model_tag: str | 
     out_bytes = sum(t.nbytes + t.head_len for t in targets)
     summary = {"source_layout": src_label, "target_layout": dst_label,
                "pages": len(pages), "objects_out": len(pages) * len(targets),
-               "bytes_out": len(pages) * out_bytes, **counts}
+               "bytes_out": len(pages) * out_bytes,
+               "present": _present(kind, dest, targets, pages), **counts}
     if model_tag is not None:
         summary["model_tag"] = model_tag
     return Plan(source, kind, dest, targets, pages, summary)
+
+
+def _present(kind: str, dest, targets: list[Target], pages: list[str]) -> int:
+    """Target files or objects the destination holds already (by name: a run compares them)."""
+    if kind == "sglang":
+        try:
+            there = set(os.listdir(dest.root))
+        except OSError:
+            return 0
+        return sum(f"{p}{t.name}.bin" in there for p in pages for t in targets)
+    from engine.storage.keys import object_key
+
+    keys = [object_key(bytes.fromhex(p), t.name) for p in pages for t in targets]
+    return sum(sum(dest.exists(keys[i:i + 512])) for i in range(0, len(keys), 512))
 
 
 class _usage:

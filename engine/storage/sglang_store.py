@@ -307,7 +307,7 @@ class Listing:
     root: str
     by_suffix: dict[str, dict[str, int]]
     other_files: int = 0
-    links: int = 0
+    not_regular: int = 0             # links, FIFOs, directories named like page files
 
 
 def list_store(root: str) -> Listing:
@@ -327,7 +327,7 @@ def list_store(root: str) -> Listing:
                         out.other_files += 1
                     continue
                 if not e.is_file(follow_symlinks=False):
-                    out.links += 1
+                    out.not_regular += 1
                     continue
                 n += 1
                 if n > MAX_FILES:

@@ -37,6 +37,8 @@ import torch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SMALL = dict(layers=2, kv_heads=2, head_dim=8, page_size=4, pages=3)
+MLA = dict(layers=2, kv_heads=1, head_dim=16, kv_lora_rank=12, rope_dim=4, page_size=4,
+           pages=3)                    # an MLA store: one latent row of 12 + 4 per token
 TINY = dict(layers=4, kv_heads=2, head_dim=64, page_size=4, pages=3)   # hicache's "tiny"
 STORES = (
     [dict(name=f"{lay}-tp{tp}-{dt}", layout=lay, tp=tp, dtype=dt, **SMALL)
@@ -52,6 +54,10 @@ STORES = (
             extra_key="tenant-a", **SMALL),
        dict(name="tiny-page_head-tp2-fp32", layout="page_head", tp=2, dtype="fp32",
             model="tiny-sglang", **TINY)]
+    + [dict(name=f"mla-{lay}-bf16", layout=lay, tp=2, dtype="bf16", mla=True, **MLA)
+       for lay in ("layer_first", "page_first", "page_first_direct")]
+    + [dict(name="mla-page_first-pp2-bf16", layout="page_first", tp=1, pp=2, dtype="bf16",
+            mla=True, **MLA)]
 )
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODEL = "fixture/small"          # SGLang writes it "fixture-small" in file names
@@ -117,15 +123,50 @@ def _copy_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size, 
             d[page, layer, off] = src[kind * per + layer][src_indices]
 
 
+def _copy_mla_lf(src_layers, dst_layers, src_indices, dst_indices, **_):
+    for s, d in zip(_tensors(src_layers), _tensors(dst_layers)):
+        d[dst_indices] = s[src_indices]
+
+
+def _copy_mla_lf_pf(src_layers, dst, src_indices, dst_indices, **_):
+    for layer, s in enumerate(_tensors(src_layers)):             # dst: [tok, L, 1, D]
+        dst[dst_indices, layer] = s[src_indices]
+
+
 def install_copies() -> None:
     import sglang.srt.mem_cache.pool_host.mha as mha
+    import sglang.srt.mem_cache.pool_host.mla as mla
 
-    for name, fn in (("transfer_kv_all_layer", _copy_lf),
-                     ("transfer_kv_all_layer_lf_pf", _copy_lf_pf),
-                     ("transfer_kv_all_layer_lf_ph", _copy_lf_ph),
-                     ("transfer_kv_all_layer_direct_lf_pf", _copy_direct_lf_pf)):
-        if not hasattr(mha, name):
-            setattr(mha, name, fn)
+    for mod, name, fn in ((mha, "transfer_kv_all_layer", _copy_lf),
+                          (mha, "transfer_kv_all_layer_lf_pf", _copy_lf_pf),
+                          (mha, "transfer_kv_all_layer_lf_ph", _copy_lf_ph),
+                          (mha, "transfer_kv_all_layer_direct_lf_pf", _copy_direct_lf_pf),
+                          (mla, "transfer_kv_all_layer_mla", _copy_mla_lf),
+                          (mla, "transfer_kv_all_layer_mla_lf_pf", _copy_mla_lf_pf),
+                          (mla, "transfer_kv_all_layer_direct_lf_pf", _copy_direct_lf_pf)):
+        if not hasattr(mod, name):
+            setattr(mod, name, fn)
+
+
+def mla_pools(spec: dict, n: int, layers: int, dtype):
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    ps = spec["page_size"]
+    dev = MLATokenToKVPool(size=n + 2 * ps, page_size=ps, dtype=dtype,
+                           kv_lora_rank=spec["kv_lora_rank"], qk_rope_head_dim=spec["rope_dim"],
+                           layer_num=layers, device="cpu", enable_memory_saver=False)
+    info = dev.get_device_pool_infos()[0].buffer_info
+    with host_memory_budget_scope(1 << 32):
+        host = MLATokenToKVPoolHost(
+            info, host_to_device_ratio=2.0, host_size=0, page_size=ps, layout=spec["layout"],
+            pin_memory=False, device="cpu", device_capacity_tokens=dev.size, start_layer=0,
+            end_layer=layers, target_layer_num=layers)
+    _remember(host.device_data_ptrs, host.device_kv_buffers)
+    if getattr(host, "data_ptrs", None) is not None:
+        _remember(host.data_ptrs, host.data_refs)
+    return dev, host
 
 
 # -- one store -----------------------------------------------------------------------------------
@@ -146,7 +187,8 @@ def write_store(spec: dict, out: str) -> dict:
 
     tp, pp, ps = spec["tp"], spec.get("pp", 1), spec["page_size"]
     dtype, n = DTYPES[spec["dtype"]], spec["pages"] * spec["page_size"]
-    heads_each = spec["kv_heads"] // tp
+    mla = spec.get("mla", False)
+    heads_each = 1 if mla else spec["kv_heads"] // tp
     tokens = token_ids(n)
     key = types.SimpleNamespace(extra_key=spec.get("extra_key"), cache_salt=None)
 
@@ -159,29 +201,34 @@ def write_store(spec: dict, out: str) -> dict:
     os.makedirs(out, exist_ok=True)
     for p in range(pp):
         l0, l1 = sg_pp_range(spec["layers"], pp, p)
-        for t in range(tp):
-            dev = MHATokenToKVPool(size=n + 2 * ps, page_size=ps, dtype=dtype,
-                                   head_num=heads_each, head_dim=spec["head_dim"],
-                                   layer_num=l1 - l0, device="cpu", enable_memory_saver=False)
-            info = dev.get_device_pool_infos()[0].buffer_info
-            with host_memory_budget_scope(1 << 32):
-                host = MHATokenToKVPoolHost(
-                    info, host_to_device_ratio=2.0, host_size=0, page_size=ps,
-                    layout=spec["layout"], pin_memory=False, device="cpu",
-                    device_capacity_tokens=dev.size, start_layer=0, end_layer=l1 - l0)
-            _remember(dev.k_data_ptrs, dev.k_buffer)
-            _remember(dev.v_data_ptrs, dev.v_buffer)
-            for ptrs, refs in ((getattr(host, "k_data_ptrs", None), getattr(host, "k_data_refs",
-                                                                             None)),
-                               (getattr(host, "v_data_ptrs", None), getattr(host, "v_data_refs",
-                                                                             None))):
-                if ptrs is not None and refs is not None:
-                    _remember(ptrs, refs)
+        for t in range(1 if mla else tp):       # MLA: every TP rank writes the same file
+            if mla:
+                dev, host = mla_pools(spec, n, l1 - l0, dtype)
+            else:
+                dev = MHATokenToKVPool(size=n + 2 * ps, page_size=ps, dtype=dtype,
+                                       head_num=heads_each, head_dim=spec["head_dim"],
+                                       layer_num=l1 - l0, device="cpu",
+                                       enable_memory_saver=False)
+                info = dev.get_device_pool_infos()[0].buffer_info
+                with host_memory_budget_scope(1 << 32):
+                    host = MHATokenToKVPoolHost(
+                        info, host_to_device_ratio=2.0, host_size=0, page_size=ps,
+                        layout=spec["layout"], pin_memory=False, device="cpu",
+                        device_capacity_tokens=dev.size, start_layer=0, end_layer=l1 - l0)
+                _remember(dev.k_data_ptrs, dev.k_buffer)
+                _remember(dev.v_data_ptrs, dev.v_buffer)
+                for ptrs, refs in ((getattr(host, "k_data_ptrs", None),
+                                    getattr(host, "k_data_refs", None)),
+                                   (getattr(host, "v_data_ptrs", None),
+                                    getattr(host, "v_data_refs", None))):
+                    if ptrs is not None and refs is not None:
+                        _remember(ptrs, refs)
             dev_idx = torch.arange(ps, ps + n, dtype=torch.int64)
             host.alloc(ps)                      # host pages do not start at 0
             host_idx = host.alloc(n)
             heads = range(t * heads_each, (t + 1) * heads_each)
-            for kind, bufs in ((0, dev.k_buffer), (1, dev.v_buffer)):
+            kinds = ((0, dev.kv_buffer),) if mla else ((0, dev.k_buffer), (1, dev.v_buffer))
+            for kind, bufs in kinds:
                 vals = known(range(l0, l1), kind, range(n), heads, spec["head_dim"]).to(dtype)
                 for i in range(l1 - l0):
                     bufs[i][dev_idx] = vals[i]
@@ -189,7 +236,7 @@ def write_store(spec: dict, out: str) -> dict:
             host.backup_from_device_all_layer(dev, host_idx, dev_idx, io)
             cfg = HiCacheStorageConfig(
                 tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp, attn_cp_rank=0, attn_cp_size=1,
-                is_mla_model=False, enable_storage_metrics=False,
+                is_mla_model=mla, enable_storage_metrics=False,
                 is_page_first_layout=spec["layout"] == "page_first",
                 model_name=spec.get("model", MODEL), extra_config={"file_storage_path": out})
             backend = StorageBackendFactory.create_backend("file", cfg, host)
