@@ -251,6 +251,32 @@ def usage_error(msg: str):
     return UsageError(msg)
 
 
+def dispatch(src: str, dst: Optional[str], to: Optional[str], from_: Optional[str],
+             verify: bool, dry_run: bool, max_bytes: Optional[str], fmt: OutputFormat,
+             model_tag: Optional[str], verbose: bool, scan: bool) -> None:
+    """--scan, an SGLang store on either side, or hicache stores only."""
+    from engine.storage.sglang_store import is_sglang
+
+    if scan:
+        if dst is not None:
+            raise usage_error("--scan takes SRC only")
+        scan_sglang(src, fmt)
+        return
+    if dst is None:
+        raise usage_error("DST is missing (or give --scan to only read SRC)")
+    if is_sglang(src) or is_sglang(dst):
+        if from_ is not None or max_bytes is not None or \
+                (to is not None and is_sglang(dst)):
+            raise usage_error("--from, --max-bytes and --to (into an SGLang store) are not "
+                              "for SGLang stores: their shape goes in the sglang-file: "
+                              "address")
+        convert_sglang(src, dst, to or "unified", verify, dry_run, fmt, model_tag, verbose)
+        return
+    to = to or "unified"
+    convert(src, dst, to, from_, verify, dry_run, max_bytes, fmt, model_tag=model_tag,
+            verbose=verbose)
+
+
 def register(app: typer.Typer) -> None:
     @app.command("convert-layout", help=HELP)
     @handle_errors
@@ -260,10 +286,11 @@ def register(app: typer.Typer) -> None:
         dst: Optional[str] = typer.Argument(None, metavar="DST", help="Destination store "
                                             "(created when a directory does not exist); not "
                                             "with --scan."),
-        to: str = typer.Option("unified", "--to", help="Target layout: unified (the default "
+        to: Optional[str] = typer.Option(None, "--to", help="Target layout: unified (the default "
                                "grid), unified:layers=N,heads=N, unified:tp=N,pp=N, or "
                                "legacy:tp=N,pp=N; append +page_first for token-major "
-                               "payloads."),
+                               "payloads (default unified). Into an SGLang store the target "
+                               "shape goes in its sglang-file: address instead."),
         from_: Optional[str] = typer.Option(None, "--from", help="Convert only the source "
                                             "objects of this layout (same forms as --to); "
                                             "needed when the source mixes layouts."),
@@ -291,20 +318,4 @@ def register(app: typer.Typer) -> None:
                                   "(exit 3 when the store contradicts it)."),
         fmt: Format = OutputFormat.human,
     ) -> None:
-        from engine.storage.sglang_store import is_sglang
-
-        if scan:
-            if dst is not None:
-                raise usage_error("--scan takes SRC only")
-            scan_sglang(src, fmt)
-            return
-        if dst is None:
-            raise usage_error("DST is missing (or give --scan to only read SRC)")
-        if is_sglang(src) or is_sglang(dst):
-            if from_ is not None or max_bytes is not None:
-                raise usage_error("--from and --max-bytes are not for SGLang stores (their "
-                                  "geometry goes in the sglang-file: address)")
-            convert_sglang(src, dst, to, verify, dry_run, fmt, model_tag, verbose)
-            return
-        convert(src, dst, to, from_, verify, dry_run, max_bytes, fmt, model_tag=model_tag,
-                verbose=verbose)
+        dispatch(src, dst, to, from_, verify, dry_run, max_bytes, fmt, model_tag, verbose, scan)

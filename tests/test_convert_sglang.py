@@ -170,6 +170,10 @@ def test_wrong_geometry_is_refused_naming_the_field(tmp_path):
     assert len(r.output.strip().splitlines()) == 1 and "Traceback" not in r.output
     r = cli(spec(name, page_size="x"), out)
     assert r.exit_code == 2 and "page_size='x' is not a whole number" in r.output
+    r = cli(spec(name), out, "--to", "unified")
+    assert r.exit_code == 2 and "--to (into an SGLang store)" in r.output
+    r = cli("--scan", spec(name), out)
+    assert r.exit_code == 2 and "--scan takes SRC only" in r.output
 
 
 def test_incomplete_and_mis_sized_pages_are_skipped_and_counted(tmp_path):
