@@ -50,8 +50,8 @@ REQUIRED = ("model", "layers", "kv_heads", "head_dim", "dtype", "page_size", "la
 LIMITS = {"layers": 1024, "kv_heads": 1024, "head_dim": 1 << 16, "page_size": 1 << 16,
           "tp": 1024, "pp": 1024}
 MAX_MODEL_CHARS = 200
-MAX_FILES = 50_000_000
-"""Page files listed at most (the listing keeps a few dozen bytes per file)."""
+MAX_FILES = 10_000_000
+"""Page files listed at most (the listing keeps about 250 bytes per file: 2.5 GB at most)."""
 
 _FILE = re.compile(r"^([0-9a-f]{64})(_.*)\.bin$")
 
