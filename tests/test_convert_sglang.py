@@ -317,3 +317,25 @@ def test_links_fifos_and_directories_named_like_pages_are_never_read(tmp_path):
     assert s["pages"] == 1 and s["written"] == 2
     want = files(os.path.join(DATA, "page_first-tp2-fp16"))
     assert files(dst) == {k: v for k, v in want.items() if k.startswith(hs[2])}
+
+
+def test_an_interrupted_run_leaves_whole_files_and_resumes(tmp_path, monkeypatch):
+    real, calls = sc.write_atomic, []
+
+    def stopping(root, name, buf):
+        calls.append(name)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        real(root, name, buf)
+
+    out = tmp_path / "out"
+    dst = f"sglang-file:{out}?layout=layer_first&tp=2"
+    monkeypatch.setattr(sc, "write_atomic", stopping)
+    r = cli(spec("page_head-tp1-bf16"), dst, "--format", "json")
+    assert r.exit_code == 1 and "interrupted" in r.output and "resume" in r.output
+    monkeypatch.setattr(sc, "write_atomic", real)
+    done = files(out)
+    want = files(os.path.join(DATA, "layer_first-tp2-bf16"))
+    assert 0 < len(done) < 6 and all(want[k] == v for k, v in done.items())   # each whole
+    again = convert_api(spec("page_head-tp1-bf16"), dst)
+    assert again["skipped_present"] == len(done) and files(out) == want
