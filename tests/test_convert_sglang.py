@@ -339,3 +339,42 @@ def test_an_interrupted_run_leaves_whole_files_and_resumes(tmp_path, monkeypatch
     assert 0 < len(done) < 6 and all(want[k] == v for k, v in done.items())   # each whole
     again = convert_api(spec("page_head-tp1-bf16"), dst)
     assert again["skipped_present"] == len(done) and files(out) == want
+
+
+def test_a_hicache_servers_store_goes_to_sglang_and_back_unchanged(tmp_path):
+    """The reverse direction on a store a hicache server wrote: to an SGLang TP2 page_head
+    store and back, every object (key and bytes) is the server's own."""
+    import requests
+
+    from engine.runtime.serving import ServerConfig, start_server
+
+    store = tmp_path / "store"
+    cfg = ServerConfig(port=0, page_size=4, l1_tokens=256, l2_tokens=512,
+                       hicache_storage_backend="file", hicache_storage_dir=str(store),
+                       hicache_storage_prefetch_policy="wait_complete")
+    with start_server(cfg) as srv:
+        tag = requests.get(srv.url + "/get_server_info", timeout=30).json()["model_tag"]
+        r = requests.post(srv.url + "/generate", json={"input_ids": list(range(5, 45)),
+                          "sampling_params": {"max_new_tokens": 1}}, timeout=120)
+        assert r.status_code == 200, r.text
+
+    def objects(root) -> dict[str, bytes]:
+        return {f: open(os.path.join(d, f), "rb").read()
+                for d, _, fs in os.walk(os.path.join(root, "objects")) for f in fs}
+
+    before = objects(store)
+    assert len(before) >= 9
+    sg, back = tmp_path / "sg", tmp_path / "back"
+    s = convert_api(str(store), f"sglang-file:{sg}?model=tiny&layout=page_head&tp=2")
+    assert s["written"] == 2 * s["pages"] and s["pages"] >= 9
+    assert all(f.endswith(("_tiny_0_2.bin", "_tiny_1_2.bin")) for f in files(sg))
+    convert_api(spec_of(sg), str(back), model_tag=tag)
+    assert objects(back) == before
+
+
+def spec_of(root) -> str:
+    from engine.runtime.model import preset
+
+    mc = preset("tiny")
+    return (f"sglang-file:{root}?model=tiny&layers={mc.num_layers}&kv_heads={mc.num_kv_heads}"
+            f"&head_dim={mc.head_dim}&dtype=fp32&page_size=4&layout=page_head&tp=2")
