@@ -209,6 +209,9 @@ def test_resume_dry_run_atomic_and_conflicts(tmp_path):
     (out / victim).write_bytes(b"\0" * os.path.getsize(out / victim))
     with pytest.raises(InputError, match="differs from what this conversion produces"):
         convert_api(spec("page_first-tp2-fp16"), dst)
+    (out / victim).write_bytes(b"\0" * 10)
+    with pytest.raises(InputError, match="of 10 bytes, not the 512 this conversion writes"):
+        sc.plan(spec("page_first-tp2-fp16"), dst)
 
 
 def test_verify_catches_a_file_that_is_not_the_sources(tmp_path, monkeypatch):

@@ -288,7 +288,19 @@ def _present(kind: str, dest, targets: list[Target], pages: list[str]) -> int:
             there = set(os.listdir(dest.root))
         except OSError:
             return 0
-        return sum(f"{p}{t.name}.bin" in there for p in pages for t in targets)
+        found = [(f"{p}{t.name}.bin", t) for p in pages for t in targets
+                 if f"{p}{t.name}.bin" in there]
+        for name, t in found:           # a file of another size cannot be this conversion's
+            try:
+                st = os.lstat(os.path.join(dest.root, name))
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode) or st.st_size != t.nbytes:
+                raise InputError(f"the destination holds {name} of {st.st_size:,} bytes, not "
+                                 f"the {t.nbytes:,} this conversion writes (a conflicting "
+                                 "file); nothing was written. Remove it or choose another "
+                                 "destination")
+        return len(found)
     from engine.storage.keys import object_key
 
     keys = [object_key(bytes.fromhex(p), t.name) for p in pages for t in targets]
