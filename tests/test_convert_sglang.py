@@ -381,3 +381,66 @@ def spec_of(root) -> str:
     mc = preset("tiny")
     return (f"sglang-file:{root}?model=tiny&layers={mc.num_layers}&kv_heads={mc.num_kv_heads}"
             f"&head_dim={mc.head_dim}&dtype=fp32&page_size=4&layout=page_head&tp=2")
+
+
+def uspec(name: str, root: str | None = None, **over) -> str:
+    """A unified-scheme fixture's address (SGLang 0.5.23's key scheme)."""
+    m = meta(name)
+    g = {"model": m["model"], "layers": m["layers"], "kv_heads": m["kv_heads"],
+         "head_dim": m["head_dim"], "dtype": m["dtype"], "page_size": m["page_size"],
+         "scheme": "unified", "tp": m["tp"], "head_group": m.get("head_group"),
+         "layer_partition": m.get("layer_partition"), **over}
+    q = "&".join(f"{k}={v}" for k, v in g.items() if v is not None)
+    return f"sglang-file:{root or os.path.join(DATA, name)}?{q}"
+
+
+def test_sglang_unified_key_scheme_matches_sglangs_own_keys_and_chunks(tmp_path):
+    """SGLang 0.5.23's unified scheme (namespace digest, absolute layer range, head group; one
+    page_unified chunk per object), from and to the rank-suffixed layouts and regridded."""
+    # the grid, not the writer, names the objects: TP1 and TP2 writers agree
+    assert files(os.path.join(DATA, "unified-hg1-tp1-bf16")) == \
+        files(os.path.join(DATA, "unified-hg1-tp2-bf16"))
+    cases = [(spec("page_first-tp2-bf16"), "scheme=unified&head_group=1",
+              "unified-hg1-tp1-bf16"),
+             (spec("page_head-tp1-fp16"), "scheme=unified", "unified-tp1-fp16"),
+             (spec("layer_first-tp1-fp16"), "scheme=unified&tp=2&head_group=1&layer_partition=1",
+              "unified-hg1-lp1-tp2-fp16"),
+             (uspec("unified-tp1-fp16"), "tp=2&head_group=1&layer_partition=1",
+              "unified-hg1-lp1-tp2-fp16"),
+             (uspec("unified-hg1-lp1-tp2-fp16"), "tp=1&head_group=2&layer_partition=0",
+              "unified-tp1-fp16"),
+             (uspec("unified-hg1-tp2-bf16"), "scheme=legacy&layout=page_head&tp=2",
+              "page_head-tp2-bf16"),
+             (uspec("unified-hg1-lp1-tp2-fp16"), "scheme=legacy&layout=page_first_direct&tp=1",
+              "page_first_direct-tp1-fp16")]
+    for src, q, want in cases:
+        out = tmp_path / f"{want}-{len(os.listdir(tmp_path))}"
+        s = convert_api(src, f"sglang-file:{out}?{q}")
+        assert s["verified"] == s["written"] > 0, (src, q)
+        assert files(out) == files(os.path.join(DATA, want)), (src, q, want)
+    mid, back = tmp_path / "mid", tmp_path / "back"
+    convert_api(uspec("unified-hg1-tp2-bf16"), str(mid), model_tag="t")
+    convert_api(str(mid), f"sglang-file:{back}?model=fixture/small&scheme=unified&head_group=1")
+    assert files(back) == files(os.path.join(DATA, "unified-hg1-tp1-bf16"))
+
+
+def test_unified_scheme_wrong_geometry_names_the_field(tmp_path):
+    out = f"sglang-file:{tmp_path / 'o'}?scheme=legacy&layout=page_first"
+    for over, words in [({"head_group": 2, "tp": 1}, "head_group: it holds no objects of"),
+                        ({"dtype": "fp16"}, "dtype: .* which is this geometry with dtype=bf16"),
+                        ({"model": "fixture-small"}, "this geometry with model=fixture/small"),
+                        ({"layer_partition": 1}, "with layer_partition=None")]:
+        with pytest.raises(InputError, match=words):
+            sc.plan(uspec("unified-hg1-tp2-bf16", **over), out)
+    with pytest.raises(InputError, match="scheme: its files are unified-scheme objects"):
+        sc.plan(spec("page_first-tp2-bf16", root=os.path.join(DATA, "unified-hg1-tp2-bf16")),
+                out)
+    with pytest.raises(UsageError, match="head_group is missing"):
+        sc.plan(uspec("unified-hg1-tp2-bf16", head_group=None), out)
+    with pytest.raises(UsageError, match="layout=page_first with scheme=unified"):
+        sc.plan(uspec("unified-hg1-tp2-bf16") + "&layout=page_first", out)
+    r = cli("--scan", f"sglang-file:{os.path.join(DATA, 'unified-hg1-lp1-tp2-fp16')}",
+            "--format", "json")
+    (shape,) = json.loads(r.stdout)["shapes"]
+    assert shape["scheme"] == "unified" and shape["namespace"].startswith("ukv1-")
+    assert shape["files"] == 12 and len(shape["ranks"]) == 4

@@ -131,7 +131,7 @@ class SGLangSide:
     def __init__(self, root: str, g: Geometry):
         self.root, self.g = os.path.realpath(os.path.expanduser(root)), g
         self.ranks = g.ranks()
-        self.label = f"{g.label()} ({g.model})"
+        self.label = f"{g.label()} ({g.file_model})"
 
     def pieces(self, page: str, take=None) -> list[Piece] | None:
         out = []

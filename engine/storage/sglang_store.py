@@ -32,20 +32,25 @@ SCHEME = "sglang-file:"
 SGLANG_VERSION = "0.5.23"
 """The SGLang release whose file names and page layouts this module follows."""
 
-LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head", "page_unified")
+SCHEMES = ("legacy", "unified")
 _ORDERS = {  # physical axis order of one page, as positions in (kinds, layers, tokens, heads)
     "layer_first": (0, 1, 2, 3),
     "page_first_direct": (0, 1, 2, 3),
     "page_first": (0, 2, 1, 3),
     "page_head": (0, 3, 2, 1),
+    "page_unified": (1, 0, 2, 3),   # one object of the unified scheme: [L, K, P, H]
 }
+UNIFIED_OBJECT_LAYOUT = "page-unified-v1"
+_TORCH_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32",
+                "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 DTYPES = {"bf16": ("bfloat16", 2), "bfloat16": ("bfloat16", 2), "fp16": ("float16", 2),
           "float16": ("float16", 2), "fp32": ("float32", 4), "float32": ("float32", 4),
           "fp8_e4m3": ("fp8_e4m3", 1), "fp8_e5m2": ("fp8_e5m2", 1)}
 """dtype spellings: a name and its element size (fp8 only between SGLang stores)."""
 
 FIELDS = ("model", "layers", "kv_heads", "head_dim", "dtype", "page_size", "layout", "tp",
-          "pp", "pp_layers", "mla")
+          "pp", "pp_layers", "mla", "scheme", "head_group", "layer_partition")
 REQUIRED = ("model", "layers", "kv_heads", "head_dim", "dtype", "page_size", "layout")
 LIMITS = {"layers": 1024, "kv_heads": 1024, "head_dim": 1 << 16, "page_size": 1 << 16,
           "tp": 1024, "pp": 1024}
@@ -105,6 +110,13 @@ class Geometry:
     pp: int = 1
     pp_layers: tuple[int, ...] | None = None
     mla: bool = False
+    scheme: str = "legacy"           # or "unified": SGLang 0.5.23's unified key scheme
+    head_group: int | None = None    # unified: kv-heads per object (None: each rank's heads)
+    layer_partition: int | None = None   # unified: layers per object (None: each stage's)
+
+    @property
+    def file_model(self) -> str:
+        return sg_model_name(self.model)
 
     @property
     def itemsize(self) -> int:
@@ -123,6 +135,12 @@ class Geometry:
         return self.head_dim * self.itemsize
 
     def label(self) -> str:
+        if self.scheme == "unified":
+            s = f"sglang-unified:head_group={self.group() or '-'}"
+            if self.layer_partition:
+                s += f",layer_partition={self.layer_partition}"
+            return s + (f",pp={self.pp}" if self.pp > 1 and not self.layer_partition else "") \
+                + (",mla" if self.mla else "")
         s = f"sglang:{self.layout},tp={self.tp}"
         if self.pp > 1:
             s += f",pp={self.pp}"
@@ -136,21 +154,62 @@ class Geometry:
     def query(self) -> str:
         """The geometry as a ``sglang-file:`` query string."""
         d = {k: v for k, v in self.to_dict().items() if v not in (None, False)}
+        if d.get("scheme") == "legacy":
+            del d["scheme"]
         if d.get("pp_layers"):
             d["pp_layers"] = ",".join(map(str, d["pp_layers"]))
         if d.get("mla"):
             d["mla"] = 1
         return urllib.parse.urlencode(d, safe=",")
 
+    def group(self) -> int:
+        """Unified scheme: kv-heads per object (0 for MLA: no head axis)."""
+        return 0 if self.mla else (self.head_group or self.kv_heads // self.tp)
+
+    def digest(self) -> str:
+        """The unified scheme's namespace digest (SGLang 0.5.23, schema 1): SHA-256 of the
+        msgpack map of its namespace fields, in their declared order."""
+        import hashlib
+
+        fields = (("schema_version", 1), ("model_id", self.model),
+                  ("dtype", _TORCH_NAMES[self.dtype_name]), ("page_size", self.page_size),
+                  ("rank_replicated", self.mla),
+                  ("total_kv_heads", 0 if self.mla else self.kv_heads),
+                  ("layer_partition", self.layer_partition or 0),
+                  ("head_group", self.group()), ("object_layout", UNIFIED_OBJECT_LAYOUT))
+        raw = bytes([0x80 | len(fields)]) + b"".join(_msgpack(k) + _msgpack(v)
+                                                     for k, v in fields)
+        return f"ukv1-{hashlib.sha256(raw).hexdigest()[:16]}"
+
+    def _unified_objects(self) -> list[Rank]:
+        out, digest, g = [], self.digest(), self.group()
+        for p in range(self.pp):
+            s, e = sg_pp_range(self.layers, self.pp, p, self.pp_layers)
+            lp = self.layer_partition
+            chunks = [(s, e)] if not lp else [(a, min(a + lp, e)) for a in range(s, e, lp)]
+            for a, b in chunks:
+                if self.mla:
+                    out.append(Rank(None, p, (a, b), (0, 1), f"_{digest}_L{a}-{b}",
+                                    (b - a) * self.page_size * self.row_bytes))
+                    continue
+                for i in range(self.kv_heads // g):
+                    out.append(Rank(None, p, (a, b), (i * g, (i + 1) * g),
+                                    f"_{digest}_L{a}-{b}_H{i}",
+                                    2 * (b - a) * self.page_size * g * self.row_bytes))
+        return out
+
     def ranks(self) -> list[Rank]:
-        """Every writer of a page (MLA: one per PP stage), PP stages outer."""
+        """Every object of a page: one per writer (MLA: per PP stage), PP stages outer; in
+        the unified scheme one per layer chunk x head group, whoever writes it."""
+        if self.scheme == "unified":
+            return self._unified_objects()
         out = []
         for p in range(self.pp):
             lr = sg_pp_range(self.layers, self.pp, p, self.pp_layers)
             pp_part = f"_{self.pp}_{p}" if self.pp > 1 else ""
             if self.mla:
                 nb = (lr[1] - lr[0]) * self.page_size * self.row_bytes
-                out.append(Rank(None, p, lr, (0, 1), f"_{self.model}{pp_part}", nb))
+                out.append(Rank(None, p, lr, (0, 1), f"_{self.file_model}{pp_part}", nb))
                 continue
             for t in range(self.tp):
                 if self.tp <= self.kv_heads:
@@ -160,7 +219,8 @@ class Geometry:
                     h = t // (self.tp // self.kv_heads)
                     hr = (h, h + 1)
                 nb = 2 * (lr[1] - lr[0]) * self.page_size * (hr[1] - hr[0]) * self.row_bytes
-                out.append(Rank(t, p, lr, hr, f"_{self.model}_{t}_{self.tp}{pp_part}", nb))
+                out.append(Rank(t, p, lr, hr, f"_{self.file_model}_{t}_{self.tp}{pp_part}",
+                                nb))
         return out
 
     def page_bytes(self) -> int:
@@ -181,6 +241,29 @@ class Geometry:
         # phys axis j holds logical axis order[j]; logical (k, l, t, h) -> our (l, k, t, h)
         inv = [order.index(i) for i in range(4)]
         return phys.transpose(inv).transpose(1, 0, 2, 3)
+
+
+def _msgpack(v) -> bytes:
+    """msgpack of a str, bool or non-negative int (the namespace digest's values)."""
+    import struct
+
+    if isinstance(v, bool):
+        return b"\xc3" if v else b"\xc2"
+    if isinstance(v, int):
+        if v < 0x80:
+            return bytes([v])
+        for tag, fmt, top in ((0xcc, ">B", 0xff), (0xcd, ">H", 0xffff),
+                              (0xce, ">I", 0xffffffff), (0xcf, ">Q", 1 << 64)):
+            if v <= top:
+                return bytes([tag]) + struct.pack(fmt, v)
+    b = v.encode("utf-8")
+    n = len(b)
+    if n < 32:
+        return bytes([0xa0 | n]) + b
+    for tag, fmt, top in ((0xd9, ">B", 0xff), (0xda, ">H", 0xffff), (0xdb, ">I", 1 << 32)):
+        if n <= top:
+            return bytes([tag]) + struct.pack(fmt, n) + b
+    raise ValueError("value too long")
 
 
 def _int_field(name: str, raw: str, what: str) -> int:
@@ -229,7 +312,11 @@ def _parse_value(k: str, v: str, what: str):
                 name in (".", "..") or "\\" in name:
             raise UsageError(f"{what}: model={v!r:.60} is not a model name as SGLang writes it "
                              f"in file names (1-{MAX_MODEL_CHARS} printable characters)")
-        return name
+        return v.strip()
+    if k == "scheme":
+        if v.strip() not in SCHEMES:
+            raise UsageError(f"{what}: scheme={v!r:.40} is not one of {', '.join(SCHEMES)}")
+        return v.strip()
     if k == "dtype":
         if v.strip().lower() not in DTYPES:
             raise UsageError(f"{what}: dtype={v!r:.40} is not one of "
@@ -240,6 +327,8 @@ def _parse_value(k: str, v: str, what: str):
             raise UsageError(f"{what}: layout={v!r:.40} is not one of {', '.join(LAYOUTS)} "
                              "(SGLang's --hicache-mem-layout)")
         return v.strip()
+    if k == "layer_partition" and v.strip() == "0":
+        return None
     if k == "mla":
         if v.strip().lower() not in ("0", "1", "true", "false", "yes", "no"):
             raise UsageError(f"{what}: mla={v!r:.20} is not 0 or 1")
@@ -268,7 +357,23 @@ def geometry(fields: dict, what: str, base: Geometry | None = None,
         keep = {k: getattr(base, k) for k in FIELDS if k not in d}
         if "pp" in d and "pp_layers" not in d:
             keep.pop("pp_layers", None)
+        if d.get("scheme", base.scheme) != base.scheme or "tp" in d:
+            keep.pop("head_group", None)        # another scheme or shape: its own grid
+            keep.pop("layer_partition", None)
+        if d.get("scheme", base.scheme) != base.scheme:
+            keep.pop("layout", None)
         d = {**keep, **d}
+    if d.get("scheme") == "unified":
+        if d.get("layout", "page_unified") != "page_unified":
+            raise UsageError(f"{what}: layout={d['layout']} with scheme=unified (its objects "
+                             "are page_unified chunks; leave layout out)")
+        d["layout"] = "page_unified"
+    elif d.get("layout") == "page_unified":
+        raise UsageError(f"{what}: layout=page_unified is the unified scheme's (give "
+                         "scheme=unified, or a legacy host layout)")
+    elif d.get("head_group") or d.get("layer_partition"):
+        raise UsageError(f"{what}: head_group and layer_partition are unified-scheme fields "
+                         "(give scheme=unified)")
     missing = [k for k in REQUIRED if k not in d]
     if d.get("mla") and "kv_heads" in missing:
         missing.remove("kv_heads")
@@ -295,7 +400,34 @@ def geometry(fields: dict, what: str, base: Geometry | None = None,
                          f"{g.pp} stage sizes summing to layers={g.layers}")
     if g.pp_layers is not None and g.pp == 1:
         g = dataclasses.replace(g, pp_layers=None)
+    if g.scheme == "unified":
+        _check_unified(g, what)
     return g
+
+
+def _check_unified(g: Geometry, what: str) -> None:
+    """The grid rules of SGLang 0.5.23's unified scheme (``plan_unified_kv``)."""
+    if g.mla:
+        if g.head_group:
+            raise UsageError(f"{what}: head_group with mla=1 (MLA objects have no head axis)")
+    else:
+        if g.tp > g.kv_heads:
+            raise UsageError(f"{what}: tp={g.tp} > kv_heads={g.kv_heads}: the unified scheme "
+                             "cannot name replicated heads")
+        local = g.kv_heads // g.tp
+        if g.head_group is None and local == 1 and g.tp > 1:
+            raise UsageError(f"{what}: head_group is missing (at one kv-head per rank SGLang "
+                             "needs it stated: head_group=1)")
+        if g.head_group is not None and (local % g.head_group or g.head_group > local):
+            raise UsageError(f"{what}: head_group={g.head_group} must divide each rank's "
+                             f"{local} kv-heads (kv_heads={g.kv_heads} / tp={g.tp})")
+    lp = g.layer_partition
+    for p in range(g.pp) if lp else ():
+        s, e = sg_pp_range(g.layers, g.pp, p, g.pp_layers)
+        if s % lp or (e % lp and p != g.pp - 1):
+            raise UsageError(f"{what}: layer_partition={lp} does not fit pipeline stage {p} "
+                             f"(layers {s}-{e}): stages must start, and all but the last end, "
+                             "on a multiple of it")
 
 
 # -- what a directory holds ------------------------------------------------------------------
@@ -348,9 +480,17 @@ _TAIL2 = re.compile(r"^_(.*)_(\d+)_(\d+)$")
 _TAIL4 = re.compile(r"^_(.*)_(\d+)_(\d+)_(\d+)_(\d+)$")
 
 
+_UNIFIED = re.compile(r"^_(ukv\d+-[0-9a-f]{16})_L(\d+)-(\d+)(?:_H(\d+))?$")
+
+
 def read_suffix(suffix: str) -> dict:
     """What a file-name suffix says on its own (no geometry): model, tp rank/size, pp size/rank,
-    or MLA. A model name ending in ``_<digits>`` makes this a guess; :func:`check` decides."""
+    or MLA; or a unified-scheme namespace digest. A model name ending in ``_<digits>`` makes
+    this a guess; :func:`check` decides."""
+    m = _UNIFIED.match(suffix)
+    if m:
+        return {"model": None, "namespace": m.group(1), "tp": None, "pp": 1, "pp_rank": 0,
+                "tp_rank": None, "mla": m.group(4) is None, "scheme": "unified"}
     m = _TAIL4.match(suffix)
     if m and int(m.group(2)) < int(m.group(3)) and int(m.group(5)) < int(m.group(4)):
         return {"model": m.group(1), "tp_rank": int(m.group(2)), "tp": int(m.group(3)),
@@ -372,8 +512,10 @@ def shapes(listing: Listing) -> list[dict]:
     groups: dict[tuple, dict] = {}
     for suffix, files in sorted(listing.by_suffix.items()):
         s = read_suffix(suffix)
-        g = groups.setdefault((s["model"], s["tp"], s["pp"], s["mla"]), {
-            "model": s["model"], "tp": s["tp"], "pp": s["pp"], "mla": s["mla"], "ranks": {}})
+        ns = s.get("namespace")
+        g = groups.setdefault((s["model"], s["tp"], s["pp"], s["mla"], ns), {
+            "model": s["model"], "tp": s["tp"], "pp": s["pp"], "mla": s["mla"],
+            "scheme": s.get("scheme", "legacy"), "namespace": ns, "ranks": {}})
         sizes = collections.Counter(files.values())
         g["ranks"][suffix] = {"files": len(files), "bytes": sum(files.values()),
                               "object_sizes": {str(k): v for k, v in sizes.most_common(4)}}
@@ -467,23 +609,54 @@ def check(listing: Listing, g: Geometry, what: str) -> Check:
                  sum(size for r in ranks for size in listing.by_suffix.get(r.suffix, {}).values()))
 
 
+def _why_unified(seen: list[dict], g: Geometry) -> str:
+    """Which one stated field, changed, gives a namespace the store holds."""
+    have = {s["namespace"] for s in seen if s["namespace"]}
+    if not have:
+        return (f"scheme: it holds no unified-scheme objects (*_{g.digest()}_L…); its files "
+                "are rank-suffixed (scheme=legacy)")
+    for name in ("head_group", "layer_partition", "dtype", "page_size", "kv_heads", "model",
+                 "tp", "pp"):
+        alts = list(range(1, 65)) + [None] if name in ("head_group", "layer_partition") else \
+            [g.model.replace("-", "/"), g.file_model] if name == "model" else \
+            [k for k in ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2") if k != g.dtype] \
+            if name == "dtype" else _alternatives(g, name)
+        for alt in alts:
+            try:
+                g2 = dataclasses.replace(g, **{name: alt})
+                _check_unified(g2, "")
+                if g2.digest() in have:
+                    return (f"{name}: it holds no objects of namespace {g.digest()}, but "
+                            f"{g2.digest()}, which is this geometry with {name}={alt}")
+            except (UsageError, KeyError, ZeroDivisionError, ValueError):
+                continue
+    return (f"it holds no objects of namespace {g.digest()} (model, dtype, page_size, "
+            "kv_heads, head_group, layer_partition and mla all enter it); its namespaces: "
+            f"{', '.join(sorted(have)[:4])}")
+
+
 def _why_absent(listing: Listing, g: Geometry) -> str:
     want = g.ranks()[0].suffix
     if not listing.by_suffix:
         return f"holds no SGLang page files ({{page_hash}}{want}.bin)"
     seen = shapes(listing)
-    same = [s for s in seen if s["model"] == g.model]
+    if g.scheme == "unified":
+        return _why_unified(seen, g)
+    same = [s for s in seen if s["model"] == g.file_model]
     if same:
         s = same[0]
         if s["mla"] != g.mla:
-            return ("mla: its files of model " + repr(g.model) + (
+            return ("mla: its files of model " + repr(g.file_model) + (
                 " carry no TP rank (an MLA store: state mla=1)" if s["mla"] else
                 " carry TP ranks (not an MLA store: state mla=0)"))
         if s["tp"] != g.tp and not g.mla:
-            return (f"tp: it holds no files of tp={g.tp} for model {g.model!r} (*{want}.bin); "
+            return (f"tp: it holds no files of tp={g.tp} for model {g.file_model!r} (*{want}.bin); "
                     f"its files are of tp={s['tp']}" + (f", pp={s['pp']}" if s["pp"] > 1 else ""))
-        return (f"pp: it holds no files of pp={g.pp} for model {g.model!r} (*{want}.bin); its "
+        return (f"pp: it holds no files of pp={g.pp} for model {g.file_model!r} (*{want}.bin); its "
                 f"files are of pp={s['pp']}")
-    models = sorted({s["model"] for s in seen})
-    return (f"model: it holds no files of model {g.model!r} (*{want}.bin); the models its file "
+    if not [s for s in seen if s["model"] is not None]:
+        return ("scheme: its files are unified-scheme objects (*_ukv1-…), not rank-suffixed "
+                "ones: give scheme=unified")
+    models = sorted({s["model"] for s in seen if s["model"] is not None})
+    return (f"model: it holds no files of model {g.file_model!r} (*{want}.bin); the models its file "
             f"names show: {', '.join(map(repr, models[:6]))}")

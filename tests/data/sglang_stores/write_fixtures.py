@@ -58,6 +58,13 @@ STORES = (
        for lay in ("layer_first", "page_first", "page_first_direct")]
     + [dict(name="mla-page_first-pp2-bf16", layout="page_first", tp=1, pp=2, dtype="bf16",
             mla=True, **MLA)]
+    + [dict(name="unified-hg1-tp1-bf16", scheme="unified", tp=1, head_group=1, dtype="bf16",
+            **SMALL),
+       dict(name="unified-hg1-tp2-bf16", scheme="unified", tp=2, head_group=1, dtype="bf16",
+            **SMALL),
+       dict(name="unified-tp1-fp16", scheme="unified", tp=1, dtype="fp16", **SMALL),
+       dict(name="unified-hg1-lp1-tp2-fp16", scheme="unified", tp=2, head_group=1,
+            layer_partition=1, dtype="fp16", **SMALL)]
 )
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODEL = "fixture/small"          # SGLang writes it "fixture-small" in file names
@@ -257,13 +264,73 @@ def write_store(spec: dict, out: str) -> dict:
     return meta
 
 
+def write_unified(spec: dict, out: str) -> dict:
+    """SGLang 0.5.23's unified key scheme, from its own parts: ``plan_unified_kv`` names the
+    objects (namespace digest, absolute layer range, head group), ``PageUnifiedLayout`` places
+    them in a ``page_unified`` host page block, ``HiCacheFile.set`` writes them. 0.5.23 has no
+    device-to-host copy for ``page_unified`` and does not connect the scheme to its runtime,
+    so the block is filled here in the order ``PageUnifiedLayout.page_dims`` documents, and the
+    backend's rank suffix is set to "" (the scheme replaces it)."""
+    from sglang.srt.mem_cache.hicache_key_scheme import normalize_dtype, plan_unified_kv
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from sglang.srt.mem_cache.pool_host.page_unified import PageUnifiedLayout
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    tp, ps, L, D = spec["tp"], spec["page_size"], spec["layers"], spec["head_dim"]
+    dtype, n = DTYPES[spec["dtype"]], spec["pages"] * spec["page_size"]
+    local = spec["kv_heads"] // tp
+    tokens = token_ids(n)
+    keys = get_storage_hash_str(tokens, None, page_size=ps)
+    os.makedirs(out, exist_ok=True)
+    for t in range(tp):
+        plan = plan_unified_kv(
+            model_id=MODEL, dtype=normalize_dtype(dtype), page_size=ps, rank_replicated=False,
+            local_kv_heads=local, attn_tp_rank=t, attn_tp_size=tp, attn_cp_size=1,
+            start_layer=0, end_layer=L, is_final_stage=True,
+            head_group=spec.get("head_group"), layer_partition=spec.get("layer_partition"))
+        pul = PageUnifiedLayout(page_size=ps, layer_num=L, head_num=local,
+                                head_group_num=plan.head_group_num, head_dim=D,
+                                itemsize=dtype.itemsize)
+        cfg = HiCacheStorageConfig(
+            tp_rank=t, tp_size=tp, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+            is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
+            model_name=MODEL, extra_config={"file_storage_path": out})
+        backend = StorageBackendFactory.create_backend("file", cfg, None)
+        backend.config_suffix = backend.tp_config_suffix = ""
+        for p, key in enumerate(keys):
+            block = torch.empty(pul.page_dims(1)[1:], dtype=dtype)   # [G, L, 2, ps, Hg, D]
+            for g in range(plan.head_group_num):
+                h0 = t * local + g * pul.heads_per_group
+                for kind in (0, 1):
+                    block[g, :, kind] = known(range(L), kind, range(p * ps, (p + 1) * ps),
+                                              range(h0, h0 + pul.heads_per_group), D).to(dtype)
+            flat = block.reshape(-1).view(torch.uint8)
+            for j, suffix in enumerate(plan.suffixes):
+                li, g = divmod(j, plan.head_group_num)
+                off, ln = pul.chunk_span(plan.layer_ranges[li], g)
+                if not backend.set(f"{key}_{suffix}", flat[off:off + ln]):
+                    raise SystemExit(f"{spec['name']}: HiCacheFile.set failed")
+    import sglang
+
+    meta = {**{k: v for k, v in spec.items() if k != "name"}, "model": MODEL,
+            "sglang_version": sglang.__version__, "torch_version": torch.__version__,
+            "token_ids": tokens, "page_hashes": keys, "namespace_fields": {
+                f: getattr(plan.namespace, f) for f in plan.namespace.__struct_fields__},
+            "files": sorted(f for f in os.listdir(out) if f.endswith(".bin"))}
+    with open(os.path.join(out, "fixture.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+        f.write("\n")
+    return meta
+
+
 def main() -> None:
     root = sys.argv[1] if len(sys.argv) > 1 else HERE
     install_copies()
     for spec in STORES:
         out = os.path.join(root, spec["name"])
         shutil.rmtree(out, ignore_errors=True)
-        meta = write_store(spec, out)
+        meta = (write_unified if spec.get("scheme") == "unified" else write_store)(spec, out)
         print(f"{spec['name']}: {len(meta['files'])} files")
 
 
