@@ -129,7 +129,7 @@ SG_STEPS = [("sglang tp=2 page_first -> sglang tp=1", "sglang-file:{out}?tp=1"),
 
 def build_sglang_source(root: str, gib: float) -> int:
     """An SGLang TP2 ``page_first`` store of >= gib GiB; returns its bytes."""
-    from engine.storage.sglang_store import geometry, parse_spec
+    from engine.storage.sglang_geometry import geometry, parse_spec
 
     _, f = parse_spec(f"sglang-file:{root}?{SG_GEOMETRY}&tp=2")
     g = geometry(f, "bench")

@@ -201,20 +201,21 @@ def scan_sglang(src_spec: str, fmt: OutputFormat) -> None:
     """``--scan`` of an SGLang store: the shapes its file names show, and the stated geometry
     checked (exit 3 when the store contradicts it)."""
     from engine.core.errors import InputError
+    from engine.storage import sglang_geometry as sg
     from engine.storage import sglang_store as ss
 
-    if not ss.is_sglang(src_spec):
+    if not sg.is_sglang(src_spec):
         raise usage_error("--scan reads SGLang stores: give sglang-file:DIR[?geometry]")
-    root, fields = ss.parse_spec(src_spec)
+    root, fields = sg.parse_spec(src_spec)
     listing = ss.list_store(root)
-    out: dict[str, Any] = {"store": root, "sglang_version_followed": ss.SGLANG_VERSION,
+    out: dict[str, Any] = {"store": root, "sglang_version_followed": sg.SGLANG_VERSION,
                            "page_files": sum(len(f) for f in listing.by_suffix.values()),
                            "bytes": sum(sum(f.values()) for f in listing.by_suffix.values()),
                            "other_files": listing.other_files, "not_regular_skipped": listing.not_regular,
                            "shapes": ss.shapes(listing), "geometry_check": None}
     problem = None
     if fields:
-        g = ss.geometry(fields, f"SRC {root}")
+        g = sg.geometry(fields, f"SRC {root}")
         try:
             out["geometry_check"] = {"ok": True, **ss.check(listing, g, f"SRC {root}").summary()}
         except InputError as e:
@@ -255,7 +256,7 @@ def dispatch(src: str, dst: Optional[str], to: Optional[str], from_: Optional[st
              verify: bool, dry_run: bool, max_bytes: Optional[str], fmt: OutputFormat,
              model_tag: Optional[str], verbose: bool, scan: bool) -> None:
     """--scan, an SGLang store on either side, or hicache stores only."""
-    from engine.storage.sglang_store import is_sglang
+    from engine.storage.sglang_geometry import is_sglang
 
     if scan:
         if dst is not None:

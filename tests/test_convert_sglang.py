@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from engine.core.errors import InputError, UsageError
 from engine.storage import sglang_convert as sc
+from engine.storage import sglang_geometry as sg
 from engine.storage import sglang_store as ss
 from hicache_cli.app import app
 
@@ -284,20 +285,20 @@ def test_hicache_server_hits_a_store_converted_from_sglang(tmp_path):
 
 def test_file_names_and_stage_split_follow_sglang():
     # SGLang gives the extra layers of an uneven split to the last stages (hicache: the first)
-    assert [ss.sg_pp_range(5, 2, r) for r in range(2)] == [(0, 2), (2, 5)]
-    assert [ss.sg_pp_range(7, 3, r) for r in range(3)] == [(0, 2), (2, 4), (4, 7)]
-    _, f = ss.parse_spec("sglang-file:/x?model=Qwen/Qwen3-8B&layers=4&kv_heads=2&head_dim=8"
+    assert [sg.sg_pp_range(5, 2, r) for r in range(2)] == [(0, 2), (2, 5)]
+    assert [sg.sg_pp_range(7, 3, r) for r in range(3)] == [(0, 2), (2, 4), (4, 7)]
+    _, f = sg.parse_spec("sglang-file:/x?model=Qwen/Qwen3-8B&layers=4&kv_heads=2&head_dim=8"
                          "&dtype=bf16&page_size=4&layout=page_first&tp=4&pp=2")
-    g = ss.geometry(f, "x")
+    g = sg.geometry(f, "x")
     assert [r.suffix for r in g.ranks()][:2] == ["_Qwen-Qwen3-8B_0_4_2_0",
                                                  "_Qwen-Qwen3-8B_1_4_2_0"]
     assert [r.heads for r in g.ranks()[:4]] == [(0, 1), (0, 1), (1, 2), (1, 2)]   # replicated
-    mla = ss.geometry({**f, "mla": True, "kv_heads": 1}, "x")
+    mla = sg.geometry({**f, "mla": True, "kv_heads": 1}, "x")
     assert [r.suffix for r in mla.ranks()] == ["_Qwen-Qwen3-8B_2_0", "_Qwen-Qwen3-8B_2_1"]
     assert ss.read_suffix("_Qwen-Qwen3-8B_1_4_2_0")["tp"] == 4
     assert ss.read_suffix("_Qwen-Qwen3-8B_2_1")["mla"] is True
-    _, again = ss.parse_spec("sglang-file:/x?" + g.query())
-    assert ss.geometry(again, "x") == g
+    _, again = sg.parse_spec("sglang-file:/x?" + g.query())
+    assert sg.geometry(again, "x") == g
 
 
 def test_links_fifos_and_directories_named_like_pages_are_never_read(tmp_path):

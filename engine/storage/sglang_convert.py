@@ -36,15 +36,8 @@ import numpy as np
 
 from engine.core.errors import InputError, StorageError, UsageError
 from engine.storage.backends.fileio import WRITE_CHUNK
-from engine.storage.sglang_store import (
-    Check,
-    Geometry,
-    Rank,
-    check,
-    geometry,
-    list_store,
-    parse_spec,
-)
+from engine.storage.sglang_geometry import Geometry, Rank, geometry, parse_spec
+from engine.storage.sglang_store import Check, check, list_store
 
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 COUNTS = ("written", "bytes_written", "skipped_present", "verified", "verify_failed",
@@ -199,7 +192,7 @@ def _hicache_model(g: Geometry):
 def _check_against_model(fields: dict, model, what: str) -> dict:
     """SGLang geometry fields for a destination made from a hicache model: the model's own
     where not given, and a stated one that differs is refused (naming it)."""
-    from engine.storage.sglang_store import DTYPES
+    from engine.storage.sglang_geometry import DTYPES
 
     own = {"layers": model.model_layers, "kv_heads": model.model_kv_heads,
            "head_dim": model.head_dim, "page_size": model.page_size,
@@ -230,7 +223,7 @@ def plan(src_spec: str, dst_spec: str, *, to: str = "unified", model_tag: str | 
          dry_run: bool = False, verbose: bool = False) -> Plan:
     """Check both sides and decide everything before anything is written."""
     from engine.storage.endpoints import open_endpoint
-    from engine.storage.sglang_store import is_sglang
+    from engine.storage.sglang_geometry import is_sglang
 
     counts: dict = {}
     if is_sglang(src_spec):
