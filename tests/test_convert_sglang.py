@@ -158,6 +158,8 @@ def test_wrong_geometry_is_refused_naming_the_field(tmp_path):
         sc.plan(spec(name, layout=None), out)
     with pytest.raises(UsageError, match="dtype=fp16 differs from the source's dtype=bf16"):
         sc.plan(spec(name), f"sglang-file:{tmp_path / 'o'}?dtype=fp16")
+    with pytest.raises(UsageError, match="one page of this geometry is 8,589,934,592 bytes"):
+        sc.plan(spec(name, layers=1024, head_dim=65536, page_size=16), out)
     with pytest.raises(UsageError, match="unknown geometry field 'heads'"):
         sc.plan(spec(name) + "&heads=2", out)
     with pytest.raises(UsageError, match="layout='page_last' is not one of"):

@@ -51,6 +51,9 @@ REQUIRED = ("model", "layers", "kv_heads", "head_dim", "dtype", "page_size", "la
 LIMITS = {"layers": 1024, "kv_heads": 1024, "head_dim": 1 << 16, "page_size": 1 << 16,
           "tp": 1024, "pp": 1024}
 MAX_MODEL_CHARS = 200
+MAX_PAGE_BYTES = 1 << 30
+"""A page (every rank's part) larger than this is a mistyped geometry: a conversion holds one
+page's files and its targets in memory at once per worker."""
 
 
 
@@ -393,6 +396,10 @@ def geometry(fields: dict, what: str, base: Geometry | None = None,
                          f"{g.pp} stage sizes summing to layers={g.layers}")
     if g.pp_layers is not None and g.pp == 1:
         g = dataclasses.replace(g, pp_layers=None)
+    if g.page_bytes() > MAX_PAGE_BYTES:
+        raise UsageError(f"{what}: one page of this geometry is {g.page_bytes():,} bytes (at "
+                         f"most {MAX_PAGE_BYTES:,}): check layers, kv_heads, head_dim and "
+                         "page_size")
     if g.scheme == "unified":
         check_unified(g, what)
     return g
