@@ -149,6 +149,8 @@ def convert(src_spec: str, dst_spec: str, to: str, from_: Optional[str], verify:
 
 def _sg_human(s: dict[str, Any], title: str) -> None:
     stdout.print(f"{title}: {s['source_layout']} -> {s['target_layout']}")
+    if s.get("model_tag") is not None:
+        stdout.print(f"  model tag: {s['model_tag']}")
     stdout.print(f"  pages: {s['pages']:,} complete, {s.get('incomplete_pages', 0):,} "
                  f"incomplete (skipped); in: {_mb(s.get('bytes_in', 0))}")
     stdout.print(f"  out: {s['objects_out']:,} objects, {_mb(s['bytes_out'])} "
@@ -229,7 +231,10 @@ def scan_sglang(src_spec: str, fmt: OutputFormat) -> None:
                                                 if out["other_files"] else ""))
         for sh in out["shapes"]:
             what = "MLA" if sh["mla"] else f"tp={sh['tp']}"
-            stdout.print(f"  model {sh['model']!r} {what}" +
+            if sh.get("namespace"):
+                what = f"unified-scheme namespace {sh['namespace']}" + (
+                    " (MLA)" if sh["mla"] else "")
+            stdout.print((f"  model {sh['model']!r} " if sh["model"] else "  ") + what +
                          (f" pp={sh['pp']}" if sh["pp"] > 1 else "") +
                          f": {sh['files']:,} files, {_mb(sh['bytes'])}")
             for suffix, r in sh["ranks"].items():
