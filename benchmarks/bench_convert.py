@@ -46,6 +46,17 @@ backed yet; docs/storage.md).
 ``--only N[,N...]`` times only those steps (1-4); the steps before them are run once, untimed,
 to make their sources, and nothing is deleted before the timed steps (so no settling is
 needed there). ``--only 3`` times the head cut alone.
+
+``--sglang`` times SGLang file stores instead (docs/sglang-stores.md): the source is an SGLang
+``HiCacheFile`` store of TP2, host layout ``page_first`` (the same model: 1 MiB per rank file,
+two per page, named ``{page_hash}_bench_{rank}_2.bin``, written here in SGLang's byte layout,
+which the tests check against SGLang's own writer), and the steps are
+
+1. SGLang ``tp=2`` → SGLang ``tp=1`` (heads merged: one 2 MiB file per page);
+2. SGLang ``tp=2`` → a hicache unified store (default grid).
+
+Each is paired with ``cp -r`` of the same source, interleaved; the median pair ratio and CPU
+seconds per GB of source (``cpu_s_per_gb``, user + system) are printed for both sides.
 """
 
 from __future__ import annotations
@@ -108,6 +119,92 @@ def build_source(root: str, gib: float) -> int:
     used, _ = b.usage()
     b.close()
     return used
+
+
+SG_GEOMETRY = ("model=bench&layers=8&kv_heads=8&head_dim=128&dtype=fp16&page_size=64"
+               "&layout=page_first")
+SG_STEPS = [("sglang tp=2 page_first -> sglang tp=1", "sglang-file:{out}?tp=1"),
+            ("sglang tp=2 page_first -> hicache unified", "{out}")]
+
+
+def build_sglang_source(root: str, gib: float) -> int:
+    """An SGLang TP2 ``page_first`` store of >= gib GiB; returns its bytes."""
+    from engine.storage.sglang_geometry import geometry, parse_spec
+
+    _, f = parse_spec(f"sglang-file:{root}?{SG_GEOMETRY}&tp=2")
+    g = geometry(f, "bench")
+    ranks = g.ranks()
+    pages = -(-int(gib * (1 << 30)) // g.page_bytes())
+    os.makedirs(root, exist_ok=True)
+    rng = np.random.default_rng(0)
+    bufs = [rng.integers(0, 255, r.nbytes, dtype=np.uint8) for r in ranks]
+    hs = page_hashes(np.arange(pages * g.page_size) % 50_000, g.page_size)
+    for i, h in enumerate(hs):
+        for r, buf in zip(ranks, bufs):
+            buf[:8] = np.frombuffer(i.to_bytes(8, "little"), np.uint8)   # pages differ
+            buf.tofile(os.path.join(root, f"{h.hex()}{r.suffix}.bin"))
+    return pages * sum(r.nbytes for r in ranks)
+
+
+def time_sglang_convert(src: str, dst: str, workers: int | None) -> Timed:
+    from engine.storage import sglang_convert as sc
+
+    def do() -> dict:
+        p = sc.plan(f"sglang-file:{src}?{SG_GEOMETRY}&tp=2", dst, model_tag="bench")
+        try:
+            res = sc.run(p, workers=workers)
+        finally:
+            sc.close(p)
+        return {**p.summary, **res.counts}
+    return _timed(do, False)
+
+
+def sglang_main(a, work: str) -> None:
+    src = os.path.join(work, "sg")
+    t0 = time.perf_counter()
+    nbytes = build_sglang_source(src, a.gb)
+    print(f"source: SGLang tp=2 page_first, {nbytes / 1e9:.2f} GB in "
+          f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    settle([], a.settle)
+    rows = []
+    for i, (name, dst) in enumerate(SG_STEPS):
+        if a.only and str(i + 1) not in a.only.split(","):
+            continue
+        copies, convs, outs = [], [], []
+        for r in range(a.repeat):
+            order = ("copy", "convert") if (a.first == "copy") == (r % 2 == 0) else \
+                ("convert", "copy")
+            for which in order:
+                out = os.path.join(work, f"sg{i}-{which}{r}")
+                outs.append(out)
+                if which == "copy":
+                    copies.append(time_copy(src, out))
+                else:
+                    convs.append(time_sglang_convert(src, dst.format(out=out), a.workers))
+        info = convs[-1].info
+        gb = nbytes / 1e9
+        row = {"conversion": name, "bytes_in": nbytes, "pages": info["pages"],
+               "objects_out": info["objects_out"],
+               **_ratios([c.s for c in copies], [t.s for t in convs], nbytes),
+               "durable": _ratios([c.durable_s for c in copies], [t.durable_s for t in convs],
+                                  nbytes),
+               "copy_cpu_s_per_gb": [round((c.user + c.sys) / gb, 2) for c in copies],
+               "convert_cpu_s_per_gb": [round((t.user + t.sys) / gb, 2) for t in convs],
+               "load_avg_after": load()}
+        rows.append(row)
+        print(f"{name:44s} {gb:5.2f} GB  {info['pages']} pages -> {info['objects_out']} "
+              f"objects\n"
+              f"  page cache: copy {_secs(row['all_copy_s'])} s  convert "
+              f"{_secs(row['all_convert_s'])} s  pairs {_secs(row['pair_ratios'])}  median "
+              f"{row['median_pair_ratio']:.2f}\n"
+              f"  + sync:     pairs {_secs(row['durable']['pair_ratios'])}  median "
+              f"{row['durable']['median_pair_ratio']:.2f}\n"
+              f"  cpu-s/GB: copy {_secs(row['copy_cpu_s_per_gb'])}  convert "
+              f"{_secs(row['convert_cpu_s_per_gb'])}", file=sys.stderr)
+        settle(outs, a.settle if i + 1 < len(SG_STEPS) else 0)
+    if a.json:
+        print(json.dumps({"cpus": os.cpu_count(), "workers": a.workers, "gb": a.gb,
+                          "load_avg": load(), "rows": rows}, indent=2))
 
 
 def sync() -> None:
@@ -195,16 +292,20 @@ def main() -> None:
                     help="time only these steps, e.g. 3 or 1,3 (default: all four)")
     ap.add_argument("--first", choices=("copy", "convert"), default="copy",
                     help="which of a pair runs first in the first pair (then alternating)")
+    ap.add_argument("--sglang", action="store_true",
+                    help="time SGLang file stores (TP2 -> TP1, TP2 -> hicache unified)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if not a.gb > 0 or a.repeat < 1 or a.settle < 0:
         ap.error("--gb must be > 0, --repeat >= 1 and --settle >= 0")
     try:
-        only = sorted({int(x) for x in a.only.split(",")}) if a.only else [1, 2, 3, 4]
-        if not all(1 <= x <= len(STEPS) for x in only):
+        steps = SG_STEPS if a.sglang else STEPS
+        only = sorted({int(x) for x in a.only.split(",")}) if a.only else \
+            list(range(1, len(steps) + 1))
+        if not all(1 <= x <= len(steps) for x in only):
             raise ValueError
     except ValueError:
-        ap.error(f"--only takes step numbers 1-{len(STEPS)}, comma-separated")
+        ap.error(f"--only takes step numbers 1-{len(steps)}, comma-separated")
     try:
         if a.dir:
             os.makedirs(a.dir, exist_ok=True)
@@ -217,6 +318,9 @@ def main() -> None:
         if free < need:
             sys.exit(f"bench_convert: {free / 2**30:.1f} GiB free in {work}; needs about "
                      f"{need / 2**30:.1f} (use --gb, --repeat or --dir)")
+        if a.sglang:
+            sglang_main(a, work)
+            return
         src = os.path.join(work, "s0")
         t0 = time.perf_counter()
         nbytes = build_source(src, a.gb)
