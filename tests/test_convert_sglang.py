@@ -262,8 +262,8 @@ def test_hicache_server_hits_a_store_converted_from_sglang(tmp_path):
     import requests
 
     from engine.runtime.model import preset
-    from engine.runtime.serving import ServerConfig, start_server
-    from engine.runtime.serving.model_id import model_tag
+    from engine.runtime.launch import ServerConfig, start_server
+    from engine.runtime.model_id import model_tag
 
     m = meta("tiny-page_head-tp2-fp32")
     tag = model_tag(preset("tiny"), "", override="from-sglang")
@@ -352,7 +352,7 @@ def test_a_hicache_servers_store_goes_to_sglang_and_back_unchanged(tmp_path):
     store and back, every object (key and bytes) is the server's own."""
     import requests
 
-    from engine.runtime.serving import ServerConfig, start_server
+    from engine.runtime.launch import ServerConfig, start_server
 
     store = tmp_path / "store"
     cfg = ServerConfig(port=0, page_size=4, l1_tokens=256, l2_tokens=512,
