@@ -261,8 +261,8 @@ def test_hicache_server_hits_a_store_converted_from_sglang(tmp_path):
     fixture's token ids."""
     import requests
 
-    from engine.runtime.model import preset
     from engine.runtime.launch import ServerConfig, start_server
+    from engine.runtime.model import preset
     from engine.runtime.model_id import model_tag
 
     m = meta("tiny-page_head-tp2-fp32")

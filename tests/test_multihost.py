@@ -72,7 +72,7 @@ def two_hosts():
 
 
 def _node(ns: str, dev: str, rank: int, log_dir: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=ROOT, GLOO_SOCKET_IFNAME=dev, **SECRET)
+    env = dict(os.environ, PYTHONPATH=ROOT, **SECRET)   # no GLOO_SOCKET_IFNAME: picked
     return subprocess.Popen(
         ["ip", "netns", "exec", ns, sys.executable, "-m", "hicache_cli.app", *ARGS,
          "--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr", "10.231.7.1:29531",
@@ -109,10 +109,14 @@ SERVE = ["bench", "serve", "--port", "0", "--l1-tokens", "256", "--l2-tokens", "
          "--page-size", "16", "--format", "json"]
 
 
-def _popen(ns: str | None, dev: str | None, *args: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=ROOT, **SECRET)
-    if dev is not None:
-        env["GLOO_SOCKET_IFNAME"] = dev
+def _popen(ns: str | None, dev: str | None, *args: str, ifname: str | None = None
+           ) -> subprocess.Popen:
+    """A process in namespace ``ns``. No ``GLOO_SOCKET_IFNAME`` (the ranks pick the interface
+    that routes to the rendezvous) unless ``ifname`` forces one."""
+    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
+    env.update(PYTHONPATH=ROOT, **SECRET)
+    if ifname is not None:
+        env["GLOO_SOCKET_IFNAME"] = ifname
     prefix = ["ip", "netns", "exec", ns] if ns else []
     return subprocess.Popen([*prefix, sys.executable, *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -233,6 +237,27 @@ def test_four_ranks_on_two_nodes_two_each(two_hosts, tmp_path, shape, port):
     assert res.exit_code == 0 and json.loads(res.stdout)["consistent"] is True, res.output
 
 
+def test_a_node_whose_links_would_advertise_loopback_is_said_in_one_line(two_hosts):
+    """Node 1 forced onto ``lo`` (as a host whose name resolves to 127.0.x.x would be): node 0
+    refuses in one line naming the rank and the fix, instead of a connect timeout."""
+    (a, dev_a), (b, dev_b) = two_hosts
+    mode = ["--tp", "2", "--nnodes", "2", "--dist-init-addr", "10.231.7.1:29538",
+            "--collective-timeout", "20"]
+    n1 = _popen(b, dev_b, "-m", "hicache_cli.app", *SERVE, *mode, "--node-rank", "1",
+                ifname="lo")
+    n0 = _popen(a, dev_a, "-m", "hicache_cli.app", *SERVE, *mode, "--node-rank", "0")
+    try:
+        _, err0 = n0.communicate(timeout=120)
+    finally:
+        for p in (n0, n1):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    assert n0.returncode == 1, err0[-2000:]
+    assert "rank 1 (node 1) would advertise the loopback address 127.0.0.1" in err0, err0
+    assert "GLOO_SOCKET_IFNAME on node 1" in err0 and "Traceback" not in err0, err0
+
+
 def test_a_rank_killed_on_node_1_is_named_by_node_0(two_hosts, tmp_path):
     """Node 1 posts its dead rank on the rendezvous store: node 0's server stops naming it
     (exit 1), and node 1 exits 1 too."""
@@ -265,7 +290,7 @@ except requests.ConnectionError:
 """
 
 
-def test_a_hung_rank_on_node_1_stops_node_0_after_the_collective_timeout(two_hosts):
+def test_a_hung_rank_on_node_1_is_named_by_node_0(two_hosts):
     """A rank that stops answering (SIGSTOP) on another host: its node's watchdog kills it
     after the heartbeat timeout and posts it; node 0's collective fails, the request fails and
     node 0's server stops (exit 1) naming it, no silent hang."""
@@ -295,7 +320,8 @@ def test_a_hung_rank_on_node_1_stops_node_0_after_the_collective_timeout(two_hos
                 p.wait()
     assert answer.strip() != "200", answer
     assert n0.returncode == 1, err0
-    assert "rank 1 exited (code -9) on another node" in err0 or "a rank died or hung" in err0, err0
+    # the hung rank itself is named (its node posts why it killed it), not a peer that gave up
+    assert "stopped: CP rank 1 stopped answering" in err0 and "on node 1" in err0, err0
     assert n1.returncode == 1 and "rank 1 stopped answering" in err1, err1
     assert "Traceback" not in err0 + err1
 

@@ -326,6 +326,26 @@ class HiCache:
     def free(self, pages: np.ndarray) -> None:
         self.l1_alloc.free(pages)
 
+    def release(self, tokens: np.ndarray, pages: np.ndarray, *, insert: bool,
+                n_prefix_pages: int = 0, namespace: Namespace | str | None = None,
+                rid: Any = None, priority: int = 0, prefix_hashes: Sequence = (),
+                receipt: "LockReceipt | None" = None) -> None:
+        """The end of one request — the one path the scheduler and the P/D prefill worker
+        take. ``insert``: the full pages of ``tokens`` (whose KV ``pages`` hold) go into the
+        tree, which owns them from now on, and the pages past them are freed; else only the
+        request's own pages (after the ``n_prefix_pages`` its match locked) are freed. Then
+        its lock (``receipt``) is released. A wrapper (CP) that has its own :meth:`insert`
+        gets it through this same method."""
+        if insert:
+            n_full = len(tokens) // self.page_size
+            self.insert(tokens[:n_full * self.page_size], pages[:n_full], namespace, rid=rid,
+                        priority=priority, prefix_hashes=prefix_hashes, after=receipt)
+            self.free(pages[n_full:])
+        else:
+            self.free(pages[n_prefix_pages:])
+        if receipt is not None:
+            self.unlock(receipt)
+
     # ------------------------------------------------------------------ insert
     def insert(self, tokens: Sequence[int] | np.ndarray, pages: np.ndarray,
                namespace: Namespace | str | None = None, rid: Any = None, priority: int = 0,

@@ -7,7 +7,7 @@ them holds a tree node (ids only), so callers never walk or change the tree them
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import numpy as np
 
@@ -171,11 +171,72 @@ class Admission:
                    hashes=m.hashes)
 
 
+class LayerLoad(Protocol):
+    """KV a request's forward waits for, layer by layer — the one protocol of a local load-back
+    (:class:`LoadHandle`), and of a P/D decode worker's pages arriving over the link
+    (engine.runtime.pd.decode.RemoteLoad). The scheduler calls nothing else on it."""
+
+    error: str | None            # why the KV will not arrive (the request then fails)
+
+    def wait_layer(self, layer: int) -> None:
+        """Return once layer ``layer`` is usable (raises if its copy failed)."""
+
+    def wait(self) -> None:
+        """Return once every layer has landed (or failed)."""
+
+    def ready(self) -> bool:
+        """Whether a forward may start now (some KV is there, or it failed)."""
+
+
+class CacheFacade(Protocol):
+    """What a scheduler needs of a cache: :class:`~engine.cache.facade.HiCache`, and the rank
+    wrappers around it (engine.parallel: ``CPCache``, ``TPCache``) that agree or shard under
+    the same calls."""
+
+    page_size: int
+    config: CacheConfig
+    events: Any
+    l1: Any
+    l1_alloc: Any
+    l3: Any                      # the L3 tier, or None
+
+    def match(self, tokens: Any, namespace: Any = None, rid: Any = None,
+              priority: int = 0) -> "MatchResult":
+        """The longest cached prefix (starts its L3 prefetch)."""
+
+    def ready_count(self, kind: str) -> int:
+        """Finished transfers of one queue not yet committed (a pipeline stage's pp_sync)."""
+
+    def admit(self, tokens: Any, namespace: Any = None, *, rid: Any = None, priority: int = 0,
+              extra_pages: int = 0, reuse: bool = True, place: Any = None) -> "Admission | None":
+        """Match, lock, allocate and load back in one all-or-nothing step."""
+
+    def release(self, tokens: np.ndarray, pages: np.ndarray, *, insert: bool,
+                n_prefix_pages: int = 0, namespace: Any = None, rid: Any = None,
+                priority: int = 0, prefix_hashes: Sequence = (), receipt: Any = None) -> None:
+        """The end of a request: insert its full pages or free its own, then unlock."""
+
+    def poll(self, limits: dict | None = None) -> dict[str, int]:
+        """Commit finished transfers."""
+
+    def flush(self, scope: str = "cache") -> None:
+        """Empty the tiers ``scope`` names."""
+
+    def stats(self) -> dict[str, Any]:
+        """Occupancy and counters."""
+
+
 class LoadHandle:
-    """Per-layer completion of the load-backs one request depends on."""
+    """Per-layer completion of the load-backs one request depends on (a :class:`LayerLoad`:
+    a local copy's layers land in order, so a forward may start at once)."""
+
+    error: str | None = None     # a local copy's failure raises in wait_layer instead
 
     def __init__(self, ops: Sequence[TransferOp]):
         self.ops = list(ops)
+
+    def ready(self) -> bool:
+        return True
 
     def wait_layer(self, layer: int) -> None:
         for op in self.ops:

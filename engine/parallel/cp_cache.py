@@ -66,6 +66,9 @@ class CPCache:
         # match, lock, unlock, load_back, poll, flush, wait_all, close, tree, events, ...
         return getattr(self.cache, name)
 
+    # the facade's request release, through this wrapper's insert (pages keep their owners)
+    release = HiCache.release
+
     # ------------------------------------------------------------------ rotation
     def path_start_owner(self, path: Sequence[Node]) -> int | None:
         """Owner of the first page of a (rotation-consistent) path, or None for an empty path."""

@@ -31,6 +31,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from engine.core.errors import HiCacheError
+
 log = logging.getLogger("hicache.ranks")
 
 SECRET_ENV = "HICACHE_RANK_SECRET"
@@ -205,9 +207,13 @@ def advertised_address() -> str:
         return "?"
 
 
+class LoopbackPeer(HiCacheError):
+    """A rank on another node would advertise a loopback address: no peer could reach it."""
+
+
 def check_advertised(store: Any, rank: int, world: int, nnodes: int, host: str,
                      timeout_s: float) -> None:
-    """Post this rank's advertised address; ``ConnectionError`` naming the first rank on
+    """Post this rank's advertised address; :class:`LoopbackPeer` naming the first rank on
     another node whose address is a loopback one (no peer could reach it)."""
     import ipaddress
 
@@ -224,7 +230,7 @@ def check_advertised(store: Any, rank: int, world: int, nnodes: int, host: str,
         except ValueError:
             loop = False
         if loop:
-            raise ConnectionError(
+            raise LoopbackPeer(
                 f"rank {r} (node {r // per}) would advertise the loopback address {addr} to the "
                 f"other nodes (its host name resolves to it and no interface routes to {host}): "
                 f"set GLOO_SOCKET_IFNAME on node {r // per} to the interface that reaches "

@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.parallel.rendezvous import Rendezvous, child_setup, launch_secret
+from engine.parallel.launch import RankProcesses
+from engine.parallel.rendezvous import Rendezvous, launch_secret
 
 
 @dataclasses.dataclass
@@ -114,7 +115,6 @@ def _stage_main(stage: int, run: StagesRun, port: Any, out: Any) -> None:
     result: dict[str, Any] = {"stage": stage}
     try:
         k = run.num_stages
-        child_setup(None)                 # exit with the parent
         port.join(stage, k, 300.0)        # a Rendezvous on 127.0.0.1, keyed by the secret
         groups = adjacent_groups(k)
         per = run.layers // k
@@ -168,14 +168,12 @@ def run_stages(run: StagesRun, timeout_s: float = 300.0) -> list[dict]:
 
     if run.num_stages < 1 or run.layers % run.num_stages:
         raise ValueError(f"{run.layers} layers do not split evenly over {run.num_stages} stages")
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    out = mp.get_context("spawn").Queue()
     port = Rendezvous.host(None, launch_secret())
     server = port.store(300.0)  # noqa: F841 - this process hosts the rendezvous; kept alive
-    procs = [ctx.Process(target=_stage_main, args=(s, run, port, out), daemon=True)
-             for s in range(run.num_stages)]
-    for p in procs:
-        p.start()
+    group = RankProcesses(_stage_main, range(run.num_stages), (run, port, out), name="stage",
+                          label=lambda s: f"stage {s}")
+    procs = [group.procs[s] for s in range(run.num_stages)]
     results: dict[int, dict] = {}
     deadline = time.monotonic() + timeout_s
     try:
@@ -192,8 +190,5 @@ def run_stages(run: StagesRun, timeout_s: float = 300.0) -> list[dict]:
         for s in range(len(procs)):
             results.setdefault(s, {"stage": s, "error": f"stage {s} did not finish in {timeout_s:g} s"})
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+        group.join(timeout=10)
     return [results[s] for s in range(len(procs))]

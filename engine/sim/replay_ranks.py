@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import queue
+import time
 import traceback
 from typing import Any
 
-from engine.parallel.rendezvous import Rendezvous, child_setup, launch_secret
+from engine.parallel.launch import RankProcesses
+from engine.parallel.rendezvous import Rendezvous, launch_secret
 from engine.sim.replay import ReplayConfig
 
 
@@ -43,7 +46,6 @@ def _rank_main(rank: int, run: RankRun, addr: Any, out: Any) -> None:
 
     result: dict[str, Any] = {"rank": rank}
     try:
-        child_setup(None)                 # exit with the parent
         addr.join(rank, run.world_size, 300.0, nnodes=run.nnodes)   # bound, keyed by the secret
         if run.config.cp_size > 1:     # the ranks are the CP group: one logical tree each
             info = RankInfo(rank=rank, world_size=run.world_size, cp_rank=rank,
@@ -100,28 +102,36 @@ def replay_ranks(run: RankRun, timeout_s: float = 600.0) -> list[dict]:
     if run.nnodes < 1 or run.world_size % run.nnodes or not 0 <= run.node_rank < run.nnodes:
         raise ValueError(f"{run.world_size} ranks do not spread evenly over {run.nnodes} nodes "
                          f"(node rank {run.node_rank})")
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    out = mp.get_context("spawn").Queue()
     secret = launch_secret(run.nnodes)
     # node 0 hosts the rendezvous in this process (127.0.0.1, or exactly init_addr's host)
     addr = Rendezvous.host(run.init_addr, secret) if run.node_rank == 0 else \
         Rendezvous(run.init_addr, secret)
     server = addr.store(300.0) if run.node_rank == 0 else None  # noqa: F841 - kept alive
     k = run.world_size // run.nnodes
-    procs = [ctx.Process(target=_rank_main, args=(r, run, addr, out), daemon=True)
-             for r in range(run.node_rank * k, (run.node_rank + 1) * k)]
-    for p in procs:
-        p.start()
-    results = []
+    # the server's launcher parts: spawned, beating, watched, exiting with this process
+    procs = RankProcesses(_rank_main, range(run.node_rank * k, (run.node_rank + 1) * k),
+                          (run, addr, out), name="replay-rank")
+    results: dict[int, dict] = {}
+    deadline = time.monotonic() + timeout_s
     try:
-        for _ in procs:
-            results.append(out.get(timeout=timeout_s))
+        while len(results) < len(procs.procs) and time.monotonic() < deadline:
+            try:
+                r = out.get(timeout=0.5)
+                results[r["rank"]] = r
+                continue
+            except queue.Empty:
+                pass
+            for why in procs.dead():          # a rank gone without a result (killed, hung)
+                rank = next((r for r in procs.procs if why.startswith(f"rank {r} ")), None)
+                if rank is not None and rank not in results and out.empty():
+                    results[rank] = {"rank": rank, "error": why}
+        for rank in procs.procs:
+            results.setdefault(rank, {"rank": rank,
+                                      "error": f"did not finish within {timeout_s:g} s"})
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return sorted(results, key=lambda r: r["rank"])
+        procs.join(timeout=10)
+    return [results[r] for r in sorted(results)]
 
 
 def summarize_ranks(run: RankRun, results: list[dict]) -> dict:

@@ -61,7 +61,7 @@ class RankGroup:
             if r in silent:
                 found.append((0, r, silent[r]))
             elif r in reasons:
-                found.append((1, r, reasons[r] + where))
+                found.append((1, r, reasons[r]))        # it says where
             elif str(code) == str(EXIT_LOST):
                 found.append((3, r, f"{name} exited (code 1){where} after losing its group: "
                                     f"another rank died or hung"))

@@ -148,14 +148,8 @@ class PrefillWorker:
                             "error": why}, TAG_REPLY)
 
     def _release(self, toks: np.ndarray, a: Any, insert: bool) -> None:
-        cache, p = self.cache, self.page_size
         if a.load is not None:
             a.load.wait()
-        if insert:
-            n_full = len(toks) // p
-            cache.insert(toks[:n_full * p], a.pages[:n_full], a.namespace, rid=a.rid,
-                         prefix_hashes=a.hashes, after=a.receipt)
-            cache.free(a.pages[n_full:])
-        else:
-            cache.free(a.pages[a.n_prefix_pages:])
-        cache.unlock(a.receipt)
+        self.cache.release(toks, a.pages, insert=insert, n_prefix_pages=a.n_prefix_pages,
+                           namespace=a.namespace, rid=a.rid, prefix_hashes=a.hashes,
+                           receipt=a.receipt)

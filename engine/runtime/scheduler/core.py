@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from engine.cache.types import CacheFacade
 from engine.core.errors import InputError, OutOfCapacity
 from engine.core.namespace import Namespace, as_namespace
 from engine.runtime.model import Chunk, Model
@@ -37,7 +38,7 @@ log = logging.getLogger("hicache.scheduler")
 
 
 class Scheduler:
-    def __init__(self, model: Model, cache: Any, config: SchedulerConfig | None = None, *,
+    def __init__(self, model: Model, cache: CacheFacade, config: SchedulerConfig | None = None, *,
                  draft: Model | None = None, spec: "SpecConfig | None" = None,
                  kv_source: "Callable[[list[Chunk], list], Any] | None" = None,
                  remote: Any = None):
@@ -335,7 +336,7 @@ class Scheduler:
         return chunks, reqs
 
     def _add_prefill(self, r: _Req, budget: int, chunks: list[Chunk], reqs: list[_Req]) -> int:
-        if not getattr(r.load, "ready", lambda: True)():
+        if r.load is not None and not r.load.ready():
             return 0                       # P/D: no KV on the way yet; the others run meanwhile
         n = min(budget, r.prompt_len - r.kv_len)
         last = r.kv_len + n == r.prompt_len
@@ -420,7 +421,7 @@ class Scheduler:
         pipeline applies the same decisions)."""
         for c, r, (tok, err, lp, input_lp) in zip(chunks, reqs, decisions):
             r.lp_pending, r.input_lp = lp, input_lp
-            failed = getattr(r.load, "error", None)   # a P/D transfer that did not arrive
+            failed = r.load.error if r.load is not None else None   # P/D KV that never came
             r.load = None                  # every layer hook has returned: the prefix is in L1
             if failed:
                 self._finish(r, FinishReason.ERROR, error=failed)
@@ -504,24 +505,18 @@ class Scheduler:
                                         True, reason, meta, error))
 
     def _release(self, r: _Req, insert: bool) -> None:
-        cache, p = self.cache, self.page_size
         if r.load is not None:          # aborted before its first forward: let the copy land
             r.load.wait()
             r.load = None
-        own = r.pages[r.n_prefix_pages:]
-        if insert and not self.config.disable_radix_cache:
-            valid = r.kv_len if self.spec is None else min(r.kv_len, r.draft_len)
-            n_full = valid // p
-            seq = np.concatenate([r.ids, np.asarray(r.out, dtype=np.int64)])[:n_full * p]
-            cache.insert(seq, r.pages[:n_full], r.namespace, rid=r.rid, priority=r.priority,
-                         prefix_hashes=r.hashes, after=r.receipt)
-            cache.free(r.pages[n_full:])
-        else:
-            cache.free(own)
+        keep = insert and not self.config.disable_radix_cache
+        valid = r.kv_len if self.spec is None else min(r.kv_len, r.draft_len)
+        seq = np.concatenate([r.ids, np.asarray(r.out, dtype=np.int64)])[:valid] if keep \
+            else r.ids
+        self.cache.release(seq, r.pages, insert=keep, n_prefix_pages=r.n_prefix_pages,
+                           namespace=r.namespace, rid=r.rid, priority=r.priority,
+                           prefix_hashes=r.hashes, receipt=r.receipt)
         r.pages = np.empty(0, dtype=np.int64)
-        if r.receipt is not None:
-            cache.unlock(r.receipt)
-            r.receipt = None
+        r.receipt = None
 
     def _meta(self, r: _Req, reason: FinishReason | None, now: float) -> dict[str, Any]:
         cached = r.cached_device + r.cached_host + r.cached_storage

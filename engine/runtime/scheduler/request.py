@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.cache.types import LayerLoad
 from engine.core.namespace import Namespace, from_wire
 from engine.runtime.scheduler.params import Callback, SamplingParams
 
@@ -39,7 +40,7 @@ class _Req:
         self.t_first = math.nan
         self.phase = _Phase.WAITING
         self.receipt: Any = None                    # the prefix's lock (HiCache.admit)
-        self.load: Any = None                       # its load-back / P/D transfer (per layer)
+        self.load: LayerLoad | None = None          # its load-back / P/D transfer (per layer)
         self.pages = np.empty(0, dtype=np.int64)   # page table: prefix pages, then own pages
         self.n_prefix_pages = 0                     # leading pages owned by the tree
         self.kv_len = 0                             # positions whose KV is in L1
