@@ -80,7 +80,7 @@ def test_every_subpackage_says_what_lives_there():
 
 # -- inside the runtime: model < scheduler < config < ranks < serving < pd < launch ---------------
 RUNTIME_LEVEL = {"model": 0, "tokenizer": 0, "tokenizer_export": 0, "chat_template": 0,
-                 "topology": 0, "model_id": 0, "scheduler": 1, "config": 2, "ranks": 3,
+                 "topology": 0, "model_id": 0, "config_fields": 0, "scheduler": 1, "config": 2, "ranks": 3,
                  "serving": 4, "pd": 5, "launch": 6}
 
 

@@ -10,13 +10,18 @@ combine is one table, :data:`MODE_RULES`."""
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 from typing import Any
 
 from engine.cache.facade import WritePolicy
 from engine.cache.policy import policy_names
 from engine.cache.pool import HostLayout
+from engine.runtime.config_fields import (  # noqa: F401 - the groups, re-exported
+    FIELD_GROUP,
+    GROUP_TITLES,
+    GROUPS,
+    Disaggregation,
+)
 from engine.runtime.scheduler import SchedulerConfig
 
 MEMORY_STORE_CP = ("--cp with the memory L3 backend: a memory store lives in one process and "
@@ -411,39 +416,3 @@ class ServerConfig:
             n = int(self.hicache_ratio * self.l1_tokens)
         return n - n % self.page_size
 
-
-# Every field of ServerConfig under the concern it belongs to: ``bench serve --help`` shows one
-# panel per group; tests/test_config_groups.py holds the table complete.
-GROUPS: dict[str, tuple[str, ...]] = {
-    "server": ("host", "port", "device", "model", "seed", "exact", "threads", "record_events",
-               "tokenizer_dir", "served_model_name", "weight_version", "context_length",
-               "max_running_requests", "chunked_prefill_size", "flush_cache_scope",
-               "hicache_model_fingerprint", "rank_log_dir", "inject_divergence",
-               "snapshot_dir"),
-    "cache": ("page_size", "l1_tokens", "l2_tokens", "hicache_ratio", "hicache_size_gb",
-              "write_policy", "write_through_threshold", "host_layout", "eviction_policy",
-              "disable_radix_cache"),
-    "storage": ("hicache_storage_backend", "hicache_storage_dir",
-                "hicache_storage_backend_config", "hicache_storage_size_limit",
-                "hicache_storage_prefetch_policy", "hicache_storage_prefetch_timeout",
-                "hicache_storage_layout", "hicache_storage_grid"),
-    "speculative": ("speculative_num_draft_tokens", "speculative_draft_preset",
-                    "hicache_draft_layout", "debug_skip_draft_restore"),
-    "pd": ("disaggregation", "pd_addr", "pd_decode_reuse", "pd_transfer_timeout",
-           "pd_inject_fault", "pd_link_timeout"),
-    "parallel": ("pp", "tp", "cp", "nnodes", "node_rank", "dist_init_addr", "pp_sync",
-                 "pp_micro_batches", "debug_transfer_delay", "collective_timeout_s",
-                 "rank_heartbeat_timeout_s"),
-}
-GROUP_TITLES = {"server": "Server and model", "cache": "Cache (L1 device, L2 host)",
-                "storage": "Storage (L3)", "speculative": "Speculative decoding",
-                "pd": "Prefill-decode disaggregation", "parallel": "Parallelism (TP, CP, PP, nodes)"}
-FIELD_GROUP = {f: g for g, names in GROUPS.items() for f in names}
-
-
-class Disaggregation(str, enum.Enum):
-    """``--disaggregation``'s roles (docs/pd.md)."""
-
-    pd = "pd"
-    prefill = "prefill"
-    decode = "decode"

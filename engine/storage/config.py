@@ -25,6 +25,16 @@ from engine.core.choices import Choice
 from engine.core.errors import InputError
 from formats import boundedjson
 
+
+class StorageLayout(Choice):
+    """How L3 objects are cut and named (engine.storage.placement): ``unified`` (page x layer
+    range x kv-head range, shared by every TP/PP shape) or ``legacy`` (one object per rank)."""
+
+    __what__ = "storage layout"
+
+    UNIFIED = "unified"
+    LEGACY = "legacy"
+
 MAX_CONFIG_BYTES = 1 << 20
 
 

@@ -31,14 +31,8 @@ from typing import Any
 
 from engine.core.choices import Choice
 from engine.core.layout import KVLayout
+from engine.storage.config import StorageLayout  # noqa: F401 - re-exported (its home is light)
 from engine.storage.keys import legacy_coordinate, namespace_id, unified_coordinate
-
-
-class StorageLayout(Choice):
-    __what__ = "storage layout"
-
-    UNIFIED = "unified"
-    LEGACY = "legacy"
 
 
 class KVOrder(Choice):

@@ -18,10 +18,8 @@ from engine.cache.l3 import PrefetchPolicy
 from engine.cache.policy import PolicyName
 from engine.cache.types import HostLayout, WritePolicy
 from engine.core.errors import UsageError
-from engine.runtime.config import Disaggregation
-from engine.runtime.scheduler.spec import DraftLayout
-from engine.storage.config import BackendKind
-from engine.storage.placement import StorageLayout
+from engine.runtime.config_fields import FIELD_GROUP, GROUP_TITLES, Disaggregation, DraftLayout
+from engine.storage.config import BackendKind, StorageLayout
 from hicache_cli.bench.sglang_args import apply_extra
 from hicache_cli.options import Format, usage
 from hicache_cli.output import OutputFormat, fail, handle_errors, stderr
@@ -52,9 +50,7 @@ class LogLevel(str, enum.Enum):
 
 def _O(*names: str, field: str | None = None, **kw: Any) -> Any:
     """A ``bench serve`` option; ``field``: the ServerConfig field it sets (its group gives
-    the help panel: engine.runtime.config.GROUPS)."""
-    from engine.runtime.config import FIELD_GROUP, GROUP_TITLES
-
+    the help panel: engine.runtime.config_fields.GROUPS)."""
     if field is not None:
         kw["rich_help_panel"] = GROUP_TITLES[FIELD_GROUP[field]]
     return typer.Option(*names, **kw)
@@ -423,7 +419,7 @@ def _prepare(log_level: LogLevel, disaggregation: Optional[str]) -> None:
 def _server_config(o: dict):
     """The options as a ``ServerConfig``: every option that names a field sets it (derived
     from the names: engine.runtime.config.GROUPS); its checks of the values are usage errors."""
-    from engine.runtime.config import FIELD_GROUP, ServerConfig
+    from engine.runtime.config import ServerConfig
 
     def plain(v: Any) -> Any:
         if isinstance(v, OnOff):

@@ -149,7 +149,8 @@ def serve(cfg: ServerConfig, on_ready: Callable[[str, Engine], None] | None = No
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         def wake(_why: str) -> None:
-            loop.call_soon_threadsafe(stop.set)
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(stop.set)
         engine.on_failure = wake
         if engine.group is not None:
             engine.group.watch_stop_requests(wake)

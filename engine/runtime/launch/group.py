@@ -77,7 +77,10 @@ class RankGroup:
                 who = self.board.stop_requested()
                 if who is not None:
                     log.info("stopping: %s", who)
-                    on_request(who)
+                    try:
+                        on_request(who)
+                    except RuntimeError:      # the server is already stopping (loop closed)
+                        pass
                     return
         threading.Thread(target=run, name="hicache-stop-watch", daemon=True).start()
 

@@ -30,13 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.core.choices import Choice
+from engine.runtime.config_fields import DraftLayout  # noqa: F401 - re-exported
 from engine.runtime.model import Chunk, Model
-
-
-class DraftLayout(Choice):
-    PACKED = "packed"
-    SIDECAR = "sidecar"
 
 
 @dataclasses.dataclass(frozen=True)

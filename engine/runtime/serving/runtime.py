@@ -24,6 +24,8 @@ from engine.runtime.topology import Topology
 
 log = logging.getLogger("hicache.server")
 
+LOST_GROUP_GRACE_S = 5.0   # after a lost rank: how long the others get to exit (then killed)
+
 
 def _exact_report() -> list[str]:
     from engine.runtime.model import exact
@@ -131,8 +133,10 @@ class Engine:
         self.scheduler.stop()
         if isinstance(self.scheduler, LockstepScheduler):
             self.scheduler.halt()
-        if self.group is not None:
-            self.group.join(self.cfg.collective_timeout_s)
+        if self.group is not None:      # halted ranks exit at once; after a lost rank the
+            # others wait in a collective rank 0 never enters: they are not waited for long
+            lost = getattr(self.scheduler, "broken", False)
+            self.group.join(LOST_GROUP_GRACE_S if lost else self.cfg.collective_timeout_s)
         self.rank.write_log()
         self.rank.close()
         if self.group is not None:
