@@ -137,7 +137,7 @@ class LeanReplay:
             self.uncacheable += 1
         for node in reversed(path):        # unlock, deepest first: candidates again
             node.lock_ref -= 1
-            if node.lock_ref == 0:
+            if not node.lock_ref and not node.n_l1_children:
                 push(node)
         return pos
 
