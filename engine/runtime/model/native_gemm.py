@@ -41,11 +41,14 @@ _lock = threading.Lock()
 _state: dict = {}          # "fn": the C function or False; "what": a line for reports
 
 
+def enabled() -> bool:
+    """``HICACHE_EXACT_NATIVE`` is not ``0``."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def available() -> bool:
     """Whether the native kernel is on (built, loaded, self-tested, not turned off)."""
-    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return False
-    return _fn() is not False
+    return enabled() and _fn() is not False
 
 
 def describe() -> str:
@@ -116,38 +119,44 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _load():
+def load_library(source_path: Path) -> "tuple[ctypes.CDLL, Path]":
+    """``source_path`` (a C file of ``native/``) built for this machine, loaded: from the
+    first usable cache directory, compiled there if missing (the compiler is needed only
+    to build)."""
     from engine.cache.hostcopy import _cache_dirs, _compiler
 
-    source = _SOURCE.read_bytes()
+    source = source_path.read_bytes()
     key = hashlib.sha256(source + " ".join(_FLAGS + [platform.machine(), sys.platform,
                                                      _cpu_flags()]).encode()).hexdigest()[:16]
     errors = []
     for d in _cache_dirs():
-        so = d / f"rowdot-{key}.so"
+        so = d / f"{source_path.stem}-{key}.so"
         try:
             if not so.exists():
                 cc = _compiler()
                 if cc is None:
                     raise RuntimeError("no C compiler: set CC or install gcc")
                 _compile(cc, source, so)
-            lib = ctypes.CDLL(str(so))
+            return ctypes.CDLL(str(so)), so
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             errors.append(str(exc) if "no C compiler" in str(exc) else f"{d}: {exc}")
-            continue
-        fn = lib.hicache_rowdot
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                       ctypes.c_int32]
-        _self_test(fn)
-        simd = "AVX-512" if lib.hicache_rowdot_features() else "portable"
-        return fn, f"{so.name}, {simd}"
     raise RuntimeError("; ".join(dict.fromkeys(errors)) or "no writable cache directory")
 
 
+def _load():
+    lib, so = load_library(_SOURCE)
+    fn = lib.hicache_rowdot
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_int32]
+    _self_test(fn)
+    simd = "AVX-512" if lib.hicache_rowdot_features() else "portable"
+    return fn, f"{so.name}, {simd}"
+
+
 def _compile(cc: list[str], source: bytes, so: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".rowdot-", suffix=".so", dir=so.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{so.stem}-", suffix=".so", dir=so.parent)
     os.close(fd)
     try:
         res = subprocess.run(cc + _FLAGS + ["-x", "c", "-o", tmp, "-", "-lm"], input=source,
