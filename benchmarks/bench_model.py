@@ -23,6 +23,9 @@ Default mode, per prompt length (random tokens, the same on every side):
   KV cache; run in this interpreter when it has ``transformers`` and ``gguf``, else by
   ``--hf-python`` (an interpreter that has them; the peer venv), else skipped — said so.
   Its greedy tokens are compared with hicache's.
+* **torch kernels** (unless ``--no-torch-kernels``): the same exact path with
+  ``HICACHE_EXACT_NATIVE=0`` (the torch items and torch attention the native kernels replaced),
+  in the same process: the before/after of the native kernels.
 
 Rounds interleave the sides (hicache, transformers, transformers, hicache, ...); every figure is
 the best of ``--repeat`` rounds (a loaded machine only makes a run slower). Threads: ``--threads``
@@ -214,13 +217,26 @@ def report(a) -> None:
     gbps = read_gbps()
     costs = model_costs(cfg)
     hc = {k: {"prefill_s": float("inf"), "decode_s": float("inf")} for k in prompts}
+    tk = {k: {"prefill_s": float("inf"), "decode_s": float("inf")} for k in prompts}
+    tk_tokens: dict = {}
     hf = {k: {"prefill_s": float("inf"), "decode_s": float("inf")} for k in prompts}
     hc_tokens, hf_tokens, hf_meta = {}, {}, {}
     hicache_run(model, prompts[str(lens[0])][:64], a.chunk, 1)      # warm-up: first-call checks
+    sides = ["hicache", "hf"] + ([] if a.no_torch_kernels else ["torch"])
     for r in range(a.repeat):
-        order = ["hicache", "hf"] if r % 2 == 0 else ["hf", "hicache"]
+        order = sides if r % 2 == 0 else sides[::-1]
         for side in order:
-            if side == "hicache":
+            if side == "torch":                  # the same exact path on the torch kernels
+                os.environ["HICACHE_EXACT_NATIVE"] = "0"
+                try:
+                    for k, toks in prompts.items():
+                        got = hicache_run(model, toks, a.chunk, a.decode)
+                        tk_tokens[k] = got["tokens"]
+                        for f in ("prefill_s", "decode_s"):
+                            tk[k][f] = min(tk[k][f], got[f])
+                finally:
+                    os.environ.pop("HICACHE_EXACT_NATIVE", None)
+            elif side == "hicache":
                 for k, toks in prompts.items():
                     got = hicache_run(model, toks, a.chunk, a.decode)
                     hc_tokens[k] = got["tokens"]
@@ -243,6 +259,11 @@ def report(a) -> None:
                "hicache_decode_tok_s": a.decode / hc[k]["decode_s"] if a.decode else None,
                "limit_prefill_tok_s": lim["prefill_tok_s"],
                "limit_decode_tok_s": lim["decode_tok_s"]}
+        if not a.no_torch_kernels:
+            row["torch_kernels_prefill_tok_s"] = n / tk[k]["prefill_s"]
+            row["torch_kernels_decode_tok_s"] = a.decode / tk[k]["decode_s"] if a.decode \
+                else None
+            row["torch_kernels_same_tokens"] = tk_tokens[k] == hc_tokens[k]
         if use_hf:
             row["hf_prefill_tok_s"] = n / hf[k]["prefill_s"]
             row["hf_decode_tok_s"] = a.decode / hf[k]["decode_s"] if a.decode else None
@@ -271,6 +292,9 @@ def report(a) -> None:
         if use_hf:
             hp = row["hf_prefill_tok_s"]
             line += f", transformers {hp:7.1f} ({p / hp:.2f}x)"
+        if "torch_kernels_prefill_tok_s" in row:
+            tp = row["torch_kernels_prefill_tok_s"]
+            line += f"; torch kernels {tp:7.1f} ({p / tp:.2f}x)"
         print(line)
         if d is not None:
             line = (f"  context {n:>4}: decode  {d:7.2f} tok/s ({d / ld:4.0%} of limit {ld:.1f})")
@@ -279,6 +303,9 @@ def report(a) -> None:
                 same = ("equal" if row["greedy_tokens_equal"] else
                         f"differ from step {row['greedy_tokens_agree_first']}")
                 line += f", transformers {hd:7.2f} ({d / hd:.2f}x); greedy tokens {same}"
+            if "torch_kernels_decode_tok_s" in row:
+                td = row["torch_kernels_decode_tok_s"]
+                line += f"; torch kernels {td:7.2f} ({d / td:.2f}x)"
             print(line)
 
 
@@ -360,6 +387,8 @@ def main() -> None:
     ap.add_argument("--hf-python", default=None,
                     help="interpreter with transformers + gguf for the comparison")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers (said so)")
+    ap.add_argument("--no-torch-kernels", action="store_true",
+                    help="skip the exact path on the torch kernels (HICACHE_EXACT_NATIVE=0)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--baseline", help="A/B mode: another ops.py to compare with")
     ap.add_argument("--models", default="tiny,smollm2-135m", help="A/B mode: models")

@@ -64,7 +64,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, threads: int | None = None) -> torc
     N = w.shape[0]
     packed = pack(w)
     out = torch.empty((M, N), dtype=torch.float32)
+    # threads start per call: a small product (a decode step's) takes fewer (same bits)
     t = torch.get_num_threads() if threads is None else threads
+    t = max(1, min(t, (M * N * K) >> 18))
     fn(xc.data_ptr(), K, packed.data_ptr(), out.data_ptr(), N, M, N, K, t)
     return out
 

@@ -2,8 +2,7 @@
  * keys and values (engine/runtime/model/native_attn.py builds and loads it).
  *
  * For a query row (query m, head hq) that sees keys 0 .. pos[m]:
- *   s[t]  = sixteen lane sums over d (lane j: d = j, j+16, ... in order, fused multiply-adds
- *           of (q[d] * scale) * k[t][d]), then the lanes added in a fixed order;
+ *   s[t]  = fma chain over d = 0 .. D-1 in order of (q[d] * scale) * k[t][d], from 0;
  *   mx    = max of s over the visible keys;
  *   e[t]  = exp(s[t] - mx) by one vector routine (every element through the same code);
  *   sum   = sixteen lane sums (lane j: keys j, j+16, ... in order), then added in a fixed order;
@@ -11,9 +10,9 @@
  *   o[dv] = fma chain over t = 0 .. pos[m] in order of p[t] * v[t][dv], from 0.
  * Nothing of it depends on the other rows, on how many keys the chunk needs, on the blocking or
  * on the thread count: batch invariant by construction. Rows of one kv-head (its group of query
- * heads, every query) are taken 8 at a time: each key row is read once per block of rows,
- * each value row once per 4 rows. No score tensor of the whole chunk, no copy of the prefix in
- * another layout.
+ * heads, every query) are taken 8 at a time. The keys are transposed once per call into
+ * blocks of 16 (a key per vector lane), read by every row block; each value row is read once
+ * per 4 rows. No score tensor of the whole chunk.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -125,6 +124,8 @@ struct task_args {
     float scale;
     int64_t tasks, per_head;              /* row blocks: per_head per kv-head */
     int32_t threads;
+    float *kt;                            /* keys transposed: [Hkv][nblk][D][16] */
+    int64_t nblk;
 };
 
 struct worker { const struct task_args *a; int32_t id; int err; };
@@ -148,18 +149,35 @@ static void one_block(const struct task_args *a, int64_t h, int64_t blk, float *
             qb[r * D + d] = qr[d] * a->scale;
     }
     const int64_t cap = (tmax + 15) / 16 * 16;
-    /* scores: per key, its row read once for every row of the block; per (row, key) sixteen
-     * lane sums over d (lane j: d = j, j+16, ... in order), then added in a fixed order */
-    for (int64_t t = 0; t < tmax; t++) {
-        const float *kr = a->k + (a->slots ? a->slots[t] : t) * a->ldk + h * D;
-        for (int64_t r = 0; r < R; r++) {
-            const float *qr = qb + r * D;
-            vec acc = vzero();
-            for (int64_t d = 0; d < D; d += 16) {
-                vmask mk = vm(D - d);
-                acc = vfma(vload(qr + d, mk), vload(kr + d, mk), acc);
+    /* scores, 16 keys at a time from the transposed keys: acc[key] = fma chain over
+     * d = 0 .. D-1 in order of q[d] * k[key][d], from 0 (the same for any row block) */
+    const float *kth = a->kt + h * a->nblk * D * 16;
+    for (int64_t t0 = 0; t0 < tmax; t0 += 16) {
+        const float *kb = kth + (t0 / 16) * D * 16;
+        for (int64_t r0 = 0; r0 < R; r0 += 4) {
+            int64_t RR = R - r0 < 4 ? R - r0 : 4;
+            vec acc0 = vzero(), acc1 = vzero(), acc2 = vzero(), acc3 = vzero();
+            const float *q0 = qb + r0 * D;
+            if (RR == 4) {
+                for (int64_t d = 0; d < D; d++) {
+                    vec kv = vload(kb + d * 16, vm(16));
+                    acc0 = vfma(vbcast(q0[d]), kv, acc0);
+                    acc1 = vfma(vbcast(q0[D + d]), kv, acc1);
+                    acc2 = vfma(vbcast(q0[2 * D + d]), kv, acc2);
+                    acc3 = vfma(vbcast(q0[3 * D + d]), kv, acc3);
+                }
+            } else {
+                for (int64_t d = 0; d < D; d++) {
+                    vec kv = vload(kb + d * 16, vm(16));
+                    acc0 = vfma(vbcast(q0[d]), kv, acc0);
+                    if (RR > 1) acc1 = vfma(vbcast(q0[D + d]), kv, acc1);
+                    if (RR > 2) acc2 = vfma(vbcast(q0[2 * D + d]), kv, acc2);
+                }
             }
-            buf[r * cap + t] = vhsum(acc);
+            vstore(buf + (r0 + 0) * cap + t0, acc0, vm(16));
+            if (RR > 1) vstore(buf + (r0 + 1) * cap + t0, acc1, vm(16));
+            if (RR > 2) vstore(buf + (r0 + 2) * cap + t0, acc2, vm(16));
+            if (RR > 3) vstore(buf + (r0 + 3) * cap + t0, acc3, vm(16));
         }
     }
     /* softmax of each row over its own visible keys */
@@ -229,6 +247,30 @@ static int64_t max_visible(const struct task_args *a)
     return mx;
 }
 
+/* phase 1: key blocks (h, b) with (h * nblk + b) % threads == id, transposed */
+static void *transpose(void *arg)
+{
+    struct worker *w = (struct worker *)arg;
+    const struct task_args *a = w->a;
+    const int64_t D = a->D, T = max_visible(a);
+    for (int64_t i = w->id; i < a->Hkv * a->nblk; i += a->threads) {
+        int64_t h = i / a->nblk, t0 = (i % a->nblk) * 16;
+        float *dst = a->kt + i * D * 16;
+        for (int64_t j = 0; j < 16; j++) {
+            if (t0 + j >= T) {
+                for (int64_t d = 0; d < D; d++)
+                    dst[d * 16 + j] = 0.0f;
+                continue;
+            }
+            int64_t t = t0 + j;
+            const float *kr = a->k + (a->slots ? a->slots[t] : t) * a->ldk + h * D;
+            for (int64_t d = 0; d < D; d++)
+                dst[d * 16 + j] = kr[d];
+        }
+    }
+    return 0;
+}
+
 static void *work(void *arg)
 {
     struct worker *w = (struct worker *)arg;
@@ -256,7 +298,7 @@ int hicache_attend(const float *q, const float *k, int64_t ldk, const float *v, 
         return 0;
     int64_t per_head = (M * (Hq / Hkv) + RB - 1) / RB;
     struct task_args a = {q, k, v, pos, slots, o, M, Hq, Hkv, D, Dv, ldk, ldv, scale,
-                          per_head * Hkv, per_head, 1};
+                          per_head * Hkv, per_head, 1, 0, 0};
     if (threads < 1)
         threads = 1;
     if (threads > MAX_THREADS)
@@ -264,23 +306,32 @@ int hicache_attend(const float *q, const float *k, int64_t ldk, const float *v, 
     if (threads > a.tasks)
         threads = (int32_t)a.tasks;
     a.threads = threads;
+    a.nblk = (max_visible(&a) + 15) / 16;
+    a.kt = (float *)malloc(sizeof(float) * (size_t)(Hkv * a.nblk * D * 16));
+    if (!a.kt)
+        return -1;
     struct worker ws[MAX_THREADS];
     pthread_t tid[MAX_THREADS];
     int started[MAX_THREADS];
-    for (int t = 0; t < threads; t++) {
-        ws[t] = (struct worker){&a, t, 0};
-        started[t] = 0;
+    int err = 0;
+    for (int phase = 0; phase < 2; phase++) {
+        void *(*fn)(void *) = phase == 0 ? transpose : work;
+        for (int t = 0; t < threads; t++) {
+            ws[t] = (struct worker){&a, t, 0};
+            started[t] = 0;
+        }
+        for (int t = 1; t < threads; t++)
+            started[t] = pthread_create(&tid[t], 0, fn, &ws[t]) == 0;
+        fn(&ws[0]);
+        err |= ws[0].err;
+        for (int t = 1; t < threads; t++) {
+            if (started[t])
+                pthread_join(tid[t], 0);
+            else
+                fn(&ws[t]);
+            err |= ws[t].err;
+        }
     }
-    for (int t = 1; t < threads; t++)
-        started[t] = pthread_create(&tid[t], 0, work, &ws[t]) == 0;
-    work(&ws[0]);
-    int err = ws[0].err;
-    for (int t = 1; t < threads; t++) {
-        if (started[t])
-            pthread_join(tid[t], 0);
-        else
-            work(&ws[t]);
-        err |= ws[t].err;
-    }
+    free(a.kt);
     return err ? -1 : 0;
 }
