@@ -3,7 +3,7 @@
 Each output element of ``x @ w.T`` is computed by one fixed sequence (one accumulator, a fused
 multiply-add per reduction index, in order), whatever the row count, the blocking or the thread
 count: batch invariant by construction, not by a check. The weight is packed once into panels
-of 32 columns (kept beside the weight: about the weights' size again), so a block of 8 rows reads
+of 32 columns (kept beside the weight: about the weights' size again), so a block of 12 rows reads
 each weight value once and a decode step streams the weights once, where the torch items
 (:mod:`engine.runtime.model.exact`) pad a decode step to 16 rows and go through the library's
 packing for every item.

@@ -6,7 +6,7 @@
  * and panels of columns only decide which elements are computed together, never how; threads
  * take disjoint panels. So a row's result does not depend on the row count, on the other rows,
  * on the thread count or on the blocking: batch invariant by construction. The weight is packed
- * once into panels of 32 columns (k-major), so a block of up to 8 rows reads each weight value
+ * once into panels of 32 columns (k-major), so a block of up to 12 rows reads each weight value
  * once and a decode step (one row) streams the weights once.
  */
 #include <stdint.h>
@@ -98,12 +98,14 @@ static void block_##R(const float *x, int64_t ldx, const float *p, float *o, int
         vstore(o + r * ldo, a0[r], a1[r], cols);                                           \
 }
 BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6) BLOCK(7) BLOCK(8)
+BLOCK(9) BLOCK(10) BLOCK(11) BLOCK(12)
 
 typedef void (*block_fn)(const float *, int64_t, const float *, float *, int64_t, int64_t,
                          int64_t);
-#define MR 8
+#define MR 12
 static const block_fn BLOCKS[MR + 1] = {0, block_1, block_2, block_3, block_4, block_5,
-                                        block_6, block_7, block_8};
+                                        block_6, block_7, block_8, block_9, block_10,
+                                        block_11, block_12};
 
 struct job {
     const float *x, *p;
