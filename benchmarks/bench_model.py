@@ -207,7 +207,7 @@ def report(a) -> None:
     elif a.hf_python:
         hf_python = a.hf_python
     elif not hf_available():
-        hf_why = ("transformers/gguf not installed here (pip install 'hicache[hf]', or "
+        hf_why = ("transformers/gguf not installed here (pip install transformers gguf, or "
                   "--hf-python PATH to an interpreter that has them)")
     use_hf = not hf_why
     spec = {"gguf": gguf, "threads": threads, "decode": a.decode,
