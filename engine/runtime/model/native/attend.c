@@ -126,6 +126,7 @@ struct task_args {
     int32_t threads;
     float *kt;                            /* keys transposed: [Hkv][nblk][D][16] */
     int64_t nblk;
+    int64_t *next;                        /* the next item of the phase (shared, atomic) */
 };
 
 struct worker { const struct task_args *a; int32_t id; int err; };
@@ -253,7 +254,10 @@ static void *transpose(void *arg)
     struct worker *w = (struct worker *)arg;
     const struct task_args *a = w->a;
     const int64_t D = a->D, T = max_visible(a);
-    for (int64_t i = w->id; i < a->Hkv * a->nblk; i += a->threads) {
+    for (;;) {
+        int64_t i = __atomic_fetch_add(a->next, 1, __ATOMIC_RELAXED);
+        if (i >= a->Hkv * a->nblk)
+            break;
         int64_t h = i / a->nblk, t0 = (i % a->nblk) * 16;
         float *dst = a->kt + i * D * 16;
         for (int64_t j = 0; j < 16; j++) {
@@ -281,8 +285,12 @@ static void *work(void *arg)
         w->err = 1;
         return 0;
     }
-    for (int64_t t = w->id; t < a->tasks; t += a->threads)
+    for (;;) {
+        int64_t t = __atomic_fetch_add(a->next, 1, __ATOMIC_RELAXED);
+        if (t >= a->tasks)
+            break;
         one_block(a, t / a->per_head, t % a->per_head, buf, buf + RB * cap);
+    }
     free(buf);
     return 0;
 }
@@ -298,7 +306,7 @@ int hicache_attend(const float *q, const float *k, int64_t ldk, const float *v, 
         return 0;
     int64_t per_head = (M * (Hq / Hkv) + RB - 1) / RB;
     struct task_args a = {q, k, v, pos, slots, o, M, Hq, Hkv, D, Dv, ldk, ldv, scale,
-                          per_head * Hkv, per_head, 1, 0, 0};
+                          per_head * Hkv, per_head, 1, 0, 0, 0};
     if (threads < 1)
         threads = 1;
     if (threads > MAX_THREADS)
@@ -314,8 +322,11 @@ int hicache_attend(const float *q, const float *k, int64_t ldk, const float *v, 
     pthread_t tid[MAX_THREADS];
     int started[MAX_THREADS];
     int err = 0;
+    int64_t next = 0;
+    a.next = &next;
     for (int phase = 0; phase < 2; phase++) {
         void *(*fn)(void *) = phase == 0 ? transpose : work;
+        next = 0;
         for (int t = 0; t < threads; t++) {
             ws[t] = (struct worker){&a, t, 0};
             started[t] = 0;
@@ -327,9 +338,7 @@ int hicache_attend(const float *q, const float *k, int64_t ldk, const float *v, 
         for (int t = 1; t < threads; t++) {
             if (started[t])
                 pthread_join(tid[t], 0);
-            else
-                fn(&ws[t]);
-            err |= ws[t].err;
+            err |= ws[t].err;             /* one not started: the others took its items */
         }
     }
     free(a.kt);

@@ -110,14 +110,19 @@ static const block_fn BLOCKS[MR + 1] = {0, block_1, block_2, block_3, block_4, b
 struct job {
     const float *x, *p;
     float *o;
-    int64_t M, N, K, ldx, ldo, p0, p1;
+    int64_t M, N, K, ldx, ldo, panels;
+    int64_t *next;                        /* the next panel to take (shared, atomic) */
 };
 
-/* panels p0..p1-1: each panel against every block of MR rows */
+/* panels taken one at a time from a shared counter (a thread whose core is busy elsewhere
+ * takes fewer): each panel against every block of MR rows */
 static void *run(void *arg)
 {
     const struct job *j = (const struct job *)arg;
-    for (int64_t q = j->p0; q < j->p1; q++) {
+    for (;;) {
+        int64_t q = __atomic_fetch_add(j->next, 1, __ATOMIC_RELAXED);
+        if (q >= j->panels)
+            break;
         int64_t n = 32 * q, cols = j->N - n < 32 ? j->N - n : 32;
         const float *panel = j->p + q * 32 * j->K;
         for (int64_t m = 0; m < j->M; m += MR) {
@@ -132,8 +137,8 @@ static void *run(void *arg)
 #define MAX_THREADS 64
 
 /* o[M, N] (row stride ldo) = x[M, K] (row stride ldx) @ w.T, w given packed (above), on up
- * to `threads` threads (each a range of whole panels). Returns 0, or -1 if a thread could not
- * be started (its panels are then done on this thread: the same bits). */
+ * to `threads` threads (panels taken from a shared counter). Returns 0, or -1 if a thread could
+ * not be started (the others take its panels: the same bits). */
 int hicache_rowdot(const float *x, int64_t ldx, const float *p, float *o, int64_t ldo,
                    int64_t M, int64_t N, int64_t K, int32_t threads)
 {
@@ -146,28 +151,20 @@ int hicache_rowdot(const float *x, int64_t ldx, const float *p, float *o, int64_
     int64_t panels = (N + 31) / 32;
     if (threads > panels)
         threads = (int32_t)panels;
-    struct job jobs[MAX_THREADS];
+    int64_t next = 0;
+    struct job job = {x, p, o, M, N, K, ldx, ldo, panels, &next};
     pthread_t tid[MAX_THREADS];
     int started[MAX_THREADS];
     int rc = 0;
-    for (int t = 0; t < threads; t++) {
-        jobs[t] = (struct job){x, p, o, M, N, K, ldx, ldo, panels * t / threads,
-                               panels * (t + 1) / threads};
-        started[t] = 0;
-    }
     for (int t = 1; t < threads; t++) {
-        if (pthread_create(&tid[t], 0, run, &jobs[t]) == 0)
-            started[t] = 1;
-        else
+        started[t] = pthread_create(&tid[t], 0, run, &job) == 0;
+        if (!started[t])
             rc = -1;
     }
-    run(&jobs[0]);
-    for (int t = 1; t < threads; t++) {
+    run(&job);                            /* takes whatever panels are left */
+    for (int t = 1; t < threads; t++)
         if (started[t])
             pthread_join(tid[t], 0);
-        else
-            run(&jobs[t]);
-    }
     return rc;
 }
 
