@@ -1,13 +1,15 @@
 """The exact path's float32 attention in C: ``native/attend.c`` (built like
 :mod:`engine.runtime.model.native_gemm`, the same switch ``HICACHE_EXACT_NATIVE``).
 
-A query row's result is one fixed sequence over its own visible keys (scores as fma chains over
-the head dim, max, one vector exp, lane sums in key order, ``P @ V`` as fma chains over the keys
-in order): batch invariant by construction, whatever the chunk, its other rows or the thread
-count. It reads the keys and values where they are (rows of ``[T, kv_heads, dim]``), with no
-padded, transposed or per-key-block copy of the prefix and no score tensor of the whole chunk;
-the torch path (:func:`engine.runtime.model.ops._attention_exact`) makes those per layer and
-chunk. Self-tested at load against a float64 reference and for row invariance.
+A query row's result is one fixed sequence over its own visible keys (each score an fma chain
+over the head dim in order, the max, one vector exp, lane sums in key order, ``P @ V`` as fma
+chains over the keys in order): batch invariant by construction, whatever the chunk, its other
+rows or the thread count. It reads keys and values where they are (rows of
+``[T, kv_heads, dim]``, or of the pool through a page table: no gather), transposes the keys
+once per call into blocks of 16 that every block of rows reads, and keeps no score tensor of
+the whole chunk; the torch path (:func:`engine.runtime.model.ops._attention_exact`) pads and
+re-lays the prefix out per layer and chunk. Self-tested at load against a float64 reference,
+for row invariance and for the page-table read.
 """
 
 from __future__ import annotations
