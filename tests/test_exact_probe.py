@@ -35,7 +35,14 @@ def _library_differs(x, w, threads):
     return not torch.equal(torch.mm(pad, w.t()), one)
 
 
-def test_the_check_catches_the_library_kernel_at_16_threads(monkeypatch, caplog):
+@pytest.fixture
+def torch_items(monkeypatch):
+    """The checks below are the torch items' (the float32 native kernel, where it is built, is
+    invariant by construction and has no batched kernel to check): turn it off."""
+    monkeypatch.setenv("HICACHE_EXACT_NATIVE", "0")
+
+
+def test_the_check_catches_the_library_kernel_at_16_threads(monkeypatch, caplog, torch_items):
     x, w = _xw()
     if not _library_differs(x, w, 16):
         pytest.skip("the library's product is thread-invariant for this shape on this CPU")
@@ -56,7 +63,7 @@ def _drifting(a, b, out=None):
     return r if out is None else out.copy_(r)
 
 
-def test_the_check_catches_a_kernel_that_follows_the_batch(monkeypatch, caplog):
+def test_the_check_catches_a_kernel_that_follows_the_batch(monkeypatch, caplog, torch_items):
     monkeypatch.setattr(exact, "_batched", _drifting)
     x, w = _xw(256, 512)
     with caplog.at_level(logging.WARNING, logger="hicache.model"):
@@ -67,7 +74,8 @@ def test_the_check_catches_a_kernel_that_follows_the_batch(monkeypatch, caplog):
     assert exact.report() and "not batch invariant" in caplog.text
 
 
-def test_start_up_probe_passes_and_falls_back_when_rows_differ(monkeypatch, caplog):
+def test_start_up_probe_passes_and_falls_back_when_rows_differ(monkeypatch, caplog,
+                                                              torch_items):
     model = load_model("tiny", "cpu")
     torch.set_num_threads(4)
     with caplog.at_level(logging.WARNING, logger="hicache.model"):
@@ -100,3 +108,28 @@ def test_bfloat16_products_and_attention_are_invariant_at_1_to_32_threads():
         ref = ref or got
         assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[0][:7])
         assert torch.equal(got[2], ref[2]) and torch.equal(got[3], ref[2][290:])
+
+
+def test_native_products_give_a_row_the_same_bits_at_any_row_count_and_thread_count(monkeypatch):
+    """The float32 native kernel (engine/runtime/model/native_gemm.py): a row's bits alone, in
+    any row count, at 1 to 32 threads and in ``safe`` mode (one thread) are the same; and its
+    values are a product's."""
+    from engine.runtime.model import native_gemm
+
+    if not native_gemm.available():
+        pytest.skip(f"no native kernel here: {native_gemm.describe()}")
+    x, w = _xw(K=576, N=960, M=300)
+    torch.set_num_threads(1)
+    ref = ops.linear(x, w)
+    assert torch.allclose(ref.double(), x.double() @ w.double().t(), rtol=1e-4, atol=1e-3)
+    for t in (2, 3, 16, 32):
+        torch.set_num_threads(t)
+        for rows in (1, 7, 8, 9, 255, 300):
+            assert torch.equal(ops.linear(x[:rows], w), ref[:rows]), (t, rows)
+        assert torch.equal(ops.linear(x[150:151], w), ref[150:151])
+    monkeypatch.setenv("HICACHE_EXACT_GEMM", "safe")
+    assert torch.equal(ops.linear(x[:9], w), ref[:9])
+    monkeypatch.setenv("HICACHE_EXACT_GEMM", "")
+    monkeypatch.setenv("HICACHE_EXACT_NATIVE", "0")           # off: the torch items again
+    assert not native_gemm.available()
+    assert torch.allclose(ops.linear(x[:9], w), ref[:9], rtol=1e-4, atol=1e-3)

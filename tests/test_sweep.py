@@ -54,3 +54,40 @@ def test_every_registered_policy_sweeps(inp):
     assert [r.policy for r in rows] == names and all(0 <= r.token_hit_rate <= 1 for r in rows)
     with pytest.raises(ValueError, match="unknown eviction policy 'nope'"):
         sweep_points(["lru", "nope"], [200_000])
+
+
+@pytest.fixture(scope="module")
+def reuse_inp(inp):
+    """The head-400 trace and then 400 of its requests again, each cut to a random whole
+    number of blocks (a seeded draw): prefixes come back at every distance and length, so
+    hits depend on the capacity and the policy (the head alone hits little beyond block 0)."""
+    import dataclasses
+    import random
+
+    recs = inp.trace.records()
+    rng = random.Random(31)
+    again = []
+    for r in rng.choices(recs, k=400):
+        n = rng.randint(1, len(r.hash_ids))
+        again.append(dataclasses.replace(r, hash_ids=r.hash_ids[:n],
+                                         input_length=min(r.input_length, n * 512)))
+    return ReplayInput(recs + again)
+
+
+def _fixed(res) -> dict:
+    out = res.to_dict()
+    del out["cache_seconds"], out["requests_per_s"]
+    return out
+
+
+# The sweep's lean replay (engine/sim/lean.py) against the full facade on the same pages: every
+# count, every stat and every learning policy's own account must be the facade's.
+@pytest.mark.parametrize("policy", policy_names(include_offline=True))
+@pytest.mark.parametrize("page_size,cap", [(64, 8_000), (64, 60_000), (64, 400_000),
+                                           (48, 150_000)])
+def test_lean_replay_is_the_facade_replay(reuse_inp, policy, page_size, cap):
+    cfg = ReplayConfig(page_size=page_size, l1_tokens=cap, policy=policy, events=False)
+    lean, _ = replay(reuse_inp, cfg, page_level=True)
+    full, _ = replay(reuse_inp, cfg, page_level=True, facade=True)
+    assert full.stats["evicted_l1_pages"] > 0
+    assert _fixed(lean) == _fixed(full)

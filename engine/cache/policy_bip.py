@@ -24,6 +24,7 @@ facade's heap, leaf-first order and locks are untouched.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from engine.cache.policy_measured import GhostTable, MeasuringPolicy, drawn, edge_key
@@ -119,11 +120,7 @@ class AdaptiveBIP(MeasuringPolicy):
         if self.clock < 4 * cap or self.inserted <= 0:
             self.rate = 1.0
             return
-        cum = []
-        acc = 0.0
-        for h in self.hist:
-            acc += h
-            cum.append(acc)
+        cum = list(itertools.accumulate(self.hist))   # the same sums, in the same order
         best, best_score = 1.0, -1.0
         for e in _RATES:
             score = e * cum[_bucket(cap / e / self.page_size)]

@@ -69,7 +69,10 @@ def _common_len(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     if n == 0:
         return 0
-    eq = a[:n] == b[:n]
+    a, b = a[:n], b[:n]
+    if a.dtype == b.dtype and a.tobytes() == b.tobytes():   # the usual case: a whole edge
+        return n
+    eq = a == b
     if eq.all():
         return n
     return int(eq.argmin())
@@ -190,14 +193,22 @@ class RadixTree:
                 return path, 0
             node, pos = root, 0
         n = len(tokens) - len(tokens) % p
+        dtype = tokens.dtype
         while pos < n:
             child = node.children.get(tokens[pos:pos + p].tobytes())
             if child is None:
                 break
             edge = child.tokens
-            m = _common_len(edge, tokens[pos:pos + len(edge)])
+            k = len(edge)
+            if pos + k <= n and edge.dtype == dtype and \
+                    edge.tobytes() == tokens[pos:pos + k].tobytes():
+                path.append(child)         # the whole edge (the usual case)
+                pos += k
+                node = child
+                continue
+            m = _common_len(edge, tokens[pos:pos + k])
             m -= m % p
-            if m < len(edge):
+            if m < k:
                 if m == 0:
                     break
                 if not split:

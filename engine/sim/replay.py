@@ -256,7 +256,8 @@ def replay(records: "ReplayInput | Trace | Iterable", cfg: ReplayConfig, *,
            events: EventLog | None = None,
            progress: Callable[[int], None] | None = None,
            keep_cache: bool = False,
-           page_level: bool = False) -> "tuple[ReplayResult, HiCache | None]":
+           page_level: bool = False,
+           facade: bool = False) -> "tuple[ReplayResult, HiCache | None]":
     """Replay a trace (a :class:`ReplayInput`, a :class:`~engine.loadgen.trace.Trace`, or
     records with ``hash_ids`` and ``input_length``) through a metadata-only cache.
 
@@ -264,7 +265,9 @@ def replay(records: "ReplayInput | Trace | Iterable", cfg: ReplayConfig, *,
     size 1 with the same number of pages. The tree, every eviction and so every hit are the
     same as the token-level replay's (only full pages are ever cached, and a page's last token
     names its content), at a fraction of the work; hits and stats are reported in tokens. It
-    records no events and keeps no cache: a sweep's mode."""
+    records no events and keeps no cache: a sweep's mode. With L1 only (no L2/L3) it runs on
+    :class:`~engine.sim.lean.LeanReplay` — the facade's tree, eviction loop and policy without
+    the rest of the facade, the same results — unless ``facade`` asks for the full stack."""
     inp = records if isinstance(records, ReplayInput) else ReplayInput(records)
     n_req = len(inp) if cfg.limit is None else min(cfg.limit, len(inp))
     p = cfg.page_size
@@ -277,16 +280,25 @@ def replay(records: "ReplayInput | Trace | Iterable", cfg: ReplayConfig, *,
               if cfg.policy == "opt" else None)
     if events is None:
         events = EventLog(enabled=cfg.events)
-    cache = _make_cache(cfg, events, policy, unit)
-    if cfg.l3_tokens:
-        from engine.cache.l3 import SimulatedTier
-
-        cache.attach_l3(SimulatedTier(-1 if cfg.l3_tokens < 0 else cfg.l3_tokens // p))
     requests = inp.page_requests(p, n_req) if page_level else inp.requests(n_req)
-    (l1, l2, l3, uncacheable), elapsed = _drive(cache, requests, events, clock, progress)
+    if page_level and not facade and not cfg.l2_tokens and not cfg.l3_tokens:
+        from engine.cache.policy import make_policy
+        from engine.sim.lean import LeanReplay, drive_lean
+
+        lean = LeanReplay(cfg.l1_tokens // p, policy or make_policy(cfg.policy))
+        (l1, l2, l3, uncacheable), elapsed = drive_lean(lean, requests, clock, progress)
+        cache = None
+        stats = lean.stats(int(inp.page_ends(p)[1][n_req]), l1)
+    else:
+        cache = _make_cache(cfg, events, policy, unit)
+        if cfg.l3_tokens:
+            from engine.cache.l3 import SimulatedTier
+
+            cache.attach_l3(SimulatedTier(-1 if cfg.l3_tokens < 0 else cfg.l3_tokens // p))
+        (l1, l2, l3, uncacheable), elapsed = _drive(cache, requests, events, clock, progress)
+        stats = cache.stats()
     l1, l2, l3 = l1 * unit, l2 * unit, l3 * unit
     total = int(inp.trace.input_lengths[:n_req].sum())
-    stats = cache.stats()
     if page_level:
         stats = {k: v * unit if k.endswith("_tokens") and isinstance(v, int) else v
                  for k, v in stats.items()}

@@ -35,6 +35,8 @@ from typing import Callable
 
 import torch
 
+from engine.runtime.model import native_gemm
+
 MAX_TILE = 256         # rows per item: a product's rows are cut into tiles of this many,
 TILE_STEP = 16         # the last tile (or a lone one) rounded up to a multiple of this
 ROW_TILE = 64          # rows per item where the library's bits for a row follow the tile size
@@ -223,7 +225,13 @@ def _probe_operands(K: int, C: int, dtype: torch.dtype, transposed: bool
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ w.T`` (``w [N, K]``, contiguous): each row's bits fixed by its own values."""
+    """``x [M, K] @ w.T`` (``w [N, K]``, contiguous): each row's bits fixed by its own values.
+    float32 on CPU takes the native kernel where it is built (:mod:`native_gemm`: invariant by
+    construction; on one thread in ``safe`` mode, the same bits); else the torch items."""
+    m = mode()
+    if (m != "library" and x.dtype == torch.float32 and w.dtype == torch.float32
+            and x.device.type == "cpu" and w.device.type == "cpu" and native_gemm.available()):
+        return native_gemm.linear(x, w, threads=1 if m == "safe" else None)
     M, K = x.shape
     N = w.shape[0]
     C = col_block(N)

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.runtime.model import exact as _exact
+from engine.runtime.model import native_attn as _native_attn
 
 ATTN_ROW_TILE = 32         # (query, group member) rows per attention item
 _VEC_ALIGN = 64            # elements: a multiple of any CPU vector loop's step (AVX-512 bf16: 64)
@@ -128,6 +129,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     return _attention_sdpa(q, k, v, q_pos, scale)
 
 
+def attention_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                    slots: torch.Tensor, q_pos: torch.Tensor, scale: float,
+                    exact: bool = True) -> torch.Tensor:
+    """:func:`attention` (``tail``) over keys read through a page table: key ``t`` is row
+    ``slots[t]`` of the pool tensors ``[slots, Hkv, D]``. On the exact path with the native
+    kernel the rows are read in place (the same bits as over the gathered rows); otherwise they
+    are gathered first."""
+    if (exact and _exact.mode() != "library" and q.dtype == k_pool.dtype == v_pool.dtype
+            == torch.float32 and q.device.type == "cpu" and k_pool.is_contiguous()
+            and v_pool.is_contiguous() and _native_attn.available()):
+        return _native_attn.attention(q, k_pool, v_pool, q_pos, scale, slots=slots,
+                                      threads=1 if _exact.mode() == "safe" else None)
+    return attention(q, k_pool.index_select(0, slots), v_pool.index_select(0, slots), q_pos,
+                     scale, exact, tail=True)
+
+
 # Queries from which a tail chunk takes the fused causal path (fewer: decode and short chunks,
 # where the masked path's score tensor is small anyway).
 _CAUSAL_MIN_QUERIES = 64
@@ -166,6 +183,12 @@ def _attention_sdpa_tail(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def _attention_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                      scale: float) -> torch.Tensor:
+    mode = _exact.mode()
+    if (mode != "library" and q.dtype == k.dtype == v.dtype == torch.float32
+            and q.device.type == "cpu" and _native_attn.available()):
+        # invariant by construction, reading K/V where they are (native_attn.py)
+        return _native_attn.attention(q, k, v, q_pos, scale,
+                                      threads=1 if mode == "safe" else None)
     M, Hq, Dk = q.shape
     Hkv, Dv = k.shape[1], v.shape[2]
     G = Hq // Hkv

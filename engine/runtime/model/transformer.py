@@ -209,7 +209,13 @@ class Model:
         for hook in hooks:
             hook(li)
         out = torch.empty_like(q)
+        paged = type(io) is PoolKV             # read the pool through the page table
         for i, (s, e) in enumerate(bounds):
+            if paged:
+                out[s:e] = ops.attention_paged(q[s:e], io.kv[li, 0], io.kv[li, 1],
+                                               io.key_slots[i], pos[s:e], self.scale,
+                                               self.exact)
+                continue
             keys, values = io.keys(li, i)
             out[s:e] = ops.attention(q[s:e], keys, values, pos[s:e], self.scale, self.exact,
                                      tail=True)
@@ -238,7 +244,13 @@ class Model:
         for hook in hooks:
             hook(li)
         o_lat = torch.empty((M, Hq, dc + dr), dtype=h.dtype, device=h.device)
+        paged = type(io) is PoolKV
         for i, (s, e) in enumerate(bounds):
+            if paged:
+                o_lat[s:e] = ops.attention_paged(q_full[s:e], io.kv[li, 0], io.kv[li, 0],
+                                                 io.key_slots[i], pos[s:e], self.scale,
+                                                 self.exact)
+                continue
             keys, = io.keys(li, i)
             o_lat[s:e] = ops.attention(q_full[s:e], keys, keys, pos[s:e], self.scale,
                                        self.exact, tail=True)

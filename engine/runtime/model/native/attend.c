@@ -1,0 +1,346 @@
+/* hicache: causal attention whose bits for one query row are fixed by that row, its visible
+ * keys and values (engine/runtime/model/native_attn.py builds and loads it).
+ *
+ * For a query row (query m, head hq) that sees keys 0 .. pos[m]:
+ *   s[t]  = fma chain over d = 0 .. D-1 in order of (q[d] * scale) * k[t][d], from 0;
+ *   mx    = max of s over the visible keys;
+ *   e[t]  = exp(s[t] - mx) by one vector routine (every element through the same code);
+ *   sum   = sixteen lane sums (lane j: keys j, j+16, ... in order), then added in a fixed order;
+ *   p[t]  = e[t] * (1 / sum);
+ *   o[dv] = fma chain over t = 0 .. pos[m] in order of p[t] * v[t][dv], from 0.
+ * Nothing of it depends on the other rows, on how many keys the chunk needs, on the blocking or
+ * on the thread count: batch invariant by construction. Rows of one kv-head (its group of query
+ * heads, every query) are taken 8 at a time. The keys are transposed once per call into
+ * blocks of 16 (a key per vector lane), read by every row block; each value row is read once
+ * per 4 rows. No score tensor of the whole chunk.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <pthread.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define HC_AVX512 1
+typedef __m512 vec;
+typedef __mmask16 vmask;
+static inline vmask vm(int64_t left)
+{ return left >= 16 ? (vmask)0xFFFF : left <= 0 ? (vmask)0 : (vmask)((1u << left) - 1u); }
+static inline vec vzero(void) { return _mm512_setzero_ps(); }
+static inline vec vload(const float *p, vmask m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline void vstore(float *p, vec v, vmask m) { _mm512_mask_storeu_ps(p, m, v); }
+static inline vec vbcast(float x) { return _mm512_set1_ps(x); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vec vadd_m(vec a, vec b, vmask m) { return _mm512_mask_add_ps(a, m, a, b); }
+static inline vec vmax_m(vec a, vec b, vmask m) { return _mm512_mask_max_ps(a, m, a, b); }
+static inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+static inline float vhmax(vec v) { return _mm512_reduce_max_ps(v); }
+static inline float vhsum(vec v)
+{
+    __m256 lo = _mm512_castps512_ps256(v);
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    __m256 s8 = _mm256_add_ps(lo, hi);
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+    return _mm_cvtss_f32(s1);
+}
+/* exp for x <= 0: 2^n * p(r), r = x - n ln2, a degree-6 polynomial */
+static inline vec vexp(vec x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    vec n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vec r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    vec p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
+    p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#else
+typedef struct { float l[16]; } vec;
+typedef uint32_t vmask;
+static inline vmask vm(int64_t left)
+{ return left >= 16 ? 0xFFFFu : left <= 0 ? 0u : ((1u << left) - 1u); }
+static inline vec vzero(void) { vec v; memset(&v, 0, sizeof v); return v; }
+static inline vec vload(const float *p, vmask m)
+{ vec v = vzero(); for (int i = 0; i < 16; i++) if (m >> i & 1) v.l[i] = p[i]; return v; }
+static inline void vstore(float *p, vec v, vmask m)
+{ for (int i = 0; i < 16; i++) if (m >> i & 1) p[i] = v.l[i]; }
+static inline vec vbcast(float x) { vec v; for (int i = 0; i < 16; i++) v.l[i] = x; return v; }
+static inline vec vfma(vec a, vec b, vec c)
+{ for (int i = 0; i < 16; i++) c.l[i] = fmaf(a.l[i], b.l[i], c.l[i]); return c; }
+static inline vec vadd_m(vec a, vec b, vmask m)
+{ for (int i = 0; i < 16; i++) if (m >> i & 1) a.l[i] = a.l[i] + b.l[i]; return a; }
+static inline vec vmax_m(vec a, vec b, vmask m)
+{ for (int i = 0; i < 16; i++) if (m >> i & 1 && b.l[i] > a.l[i]) a.l[i] = b.l[i]; return a; }
+static inline vec vsub(vec a, vec b) { for (int i = 0; i < 16; i++) a.l[i] -= b.l[i]; return a; }
+static inline vec vmul(vec a, vec b) { for (int i = 0; i < 16; i++) a.l[i] *= b.l[i]; return a; }
+static inline float vhmax(vec v) { float m = v.l[0]; for (int i = 1; i < 16; i++) if (v.l[i] > m) m = v.l[i]; return m; }
+static inline float vhsum(vec v)
+{
+    float s8[8], s4[4], s2[2];
+    for (int i = 0; i < 8; i++) s8[i] = v.l[i] + v.l[i + 8];
+    for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
+    for (int i = 0; i < 2; i++) s2[i] = s4[i] + s4[i + 2];
+    return s2[0] + s2[1];
+}
+static inline vec vexp(vec x)
+{
+    for (int i = 0; i < 16; i++) {
+        float a = x.l[i] < -87.0f ? -87.0f : x.l[i];
+        float n = nearbyintf(a * 1.44269504088896341f);
+        float r = fmaf(-n, 0.693359375f, a);
+        r = fmaf(-n, -2.12194440e-4f, r);
+        float p = 1.9875691500e-4f;
+        p = fmaf(p, r, 1.3981999507e-3f);
+        p = fmaf(p, r, 8.3334519073e-3f);
+        p = fmaf(p, r, 4.1665795894e-2f);
+        p = fmaf(p, r, 1.6666665459e-1f);
+        p = fmaf(p, r, 5.0000001201e-1f);
+        p = fmaf(p, r * r, r);
+        x.l[i] = ldexpf(p + 1.0f, (int)n);
+    }
+    return x;
+}
+#endif
+
+#define RB 8          /* rows per block */
+#define MAX_THREADS 64
+
+struct task_args {
+    const float *q, *k, *v;
+    const int64_t *pos, *slots;           /* slots: key t's row is slots[t] (NULL: row t) */
+    float *o;
+    int64_t M, Hq, Hkv, D, Dv, ldk, ldv;   /* ldk/ldv: floats per key row (all kv-heads) */
+    float scale;
+    int64_t tasks, per_head;              /* row blocks: per_head per kv-head */
+    int32_t threads;
+    float *kt;                            /* keys transposed: [Hkv][nblk][D][16] */
+    int64_t nblk;
+    int64_t *next;                        /* the next item of the phase (shared, atomic) */
+};
+
+struct worker { const struct task_args *a; int32_t id; int err; };
+
+/* one block of up to RB rows of kv-head h: rows r = blk*RB .. (row r: g = r / M, m = r % M) */
+static void one_block(const struct task_args *a, int64_t h, int64_t blk, float *buf,
+                      float *qb)
+{
+    const int64_t M = a->M, D = a->D, Dv = a->Dv, G = a->Hq / a->Hkv;
+    const int64_t r0 = blk * RB, R = (M * G - r0) < RB ? (M * G - r0) : RB;
+    int64_t mrow[RB], hq[RB], n[RB], tmax = 0;
+    for (int64_t r = 0; r < R; r++) {
+        int64_t g = (r0 + r) / M, m = (r0 + r) % M;
+        mrow[r] = m;
+        hq[r] = h * G + g;
+        n[r] = a->pos[m] + 1;
+        if (n[r] > tmax)
+            tmax = n[r];
+        const float *qr = a->q + (m * a->Hq + hq[r]) * D;
+        for (int64_t d = 0; d < D; d++)
+            qb[r * D + d] = qr[d] * a->scale;
+    }
+    const int64_t cap = (tmax + 15) / 16 * 16;
+    /* scores, 16 keys at a time from the transposed keys: acc[key] = fma chain over
+     * d = 0 .. D-1 in order of q[d] * k[key][d], from 0 (the same for any row block) */
+    const float *kth = a->kt + h * a->nblk * D * 16;
+    for (int64_t t0 = 0; t0 < tmax; t0 += 16) {
+        const float *kb = kth + (t0 / 16) * D * 16;
+        for (int64_t r0 = 0; r0 < R; r0 += 4) {
+            int64_t RR = R - r0 < 4 ? R - r0 : 4;
+            vec acc0 = vzero(), acc1 = vzero(), acc2 = vzero(), acc3 = vzero();
+            const float *q0 = qb + r0 * D;
+            if (RR == 4) {
+                for (int64_t d = 0; d < D; d++) {
+                    vec kv = vload(kb + d * 16, vm(16));
+                    acc0 = vfma(vbcast(q0[d]), kv, acc0);
+                    acc1 = vfma(vbcast(q0[D + d]), kv, acc1);
+                    acc2 = vfma(vbcast(q0[2 * D + d]), kv, acc2);
+                    acc3 = vfma(vbcast(q0[3 * D + d]), kv, acc3);
+                }
+            } else {
+                for (int64_t d = 0; d < D; d++) {
+                    vec kv = vload(kb + d * 16, vm(16));
+                    acc0 = vfma(vbcast(q0[d]), kv, acc0);
+                    if (RR > 1) acc1 = vfma(vbcast(q0[D + d]), kv, acc1);
+                    if (RR > 2) acc2 = vfma(vbcast(q0[2 * D + d]), kv, acc2);
+                }
+            }
+            vstore(buf + (r0 + 0) * cap + t0, acc0, vm(16));
+            if (RR > 1) vstore(buf + (r0 + 1) * cap + t0, acc1, vm(16));
+            if (RR > 2) vstore(buf + (r0 + 2) * cap + t0, acc2, vm(16));
+            if (RR > 3) vstore(buf + (r0 + 3) * cap + t0, acc3, vm(16));
+        }
+    }
+    /* softmax of each row over its own visible keys */
+    for (int64_t r = 0; r < R; r++) {
+        float *s = buf + r * cap;
+        vec mx = vbcast(-INFINITY);
+        for (int64_t t = 0; t < n[r]; t += 16)
+            mx = vmax_m(mx, vload(s + t, vm(n[r] - t)), vm(n[r] - t));
+        vec mv = vbcast(vhmax(mx));
+        vec sum = vzero();
+        for (int64_t t = 0; t < n[r]; t += 16) {
+            vmask mk = vm(n[r] - t);
+            vec e = vexp(vsub(vload(s + t, mk), mv));
+            vstore(s + t, e, mk);
+            sum = vadd_m(sum, e, mk);
+        }
+        vec inv = vbcast(1.0f / vhsum(sum));
+        for (int64_t t = 0; t < n[r]; t += 16) {
+            vmask mk = vm(n[r] - t);
+            vstore(s + t, vmul(vload(s + t, mk), inv), mk);
+        }
+    }
+    /* P @ V: 4 rows x 64 value columns at a time, keys in order */
+    for (int64_t d0 = 0; d0 < Dv; d0 += 64) {
+        vmask m0 = vm(Dv - d0), m1 = vm(Dv - d0 - 16), m2 = vm(Dv - d0 - 32),
+              m3 = vm(Dv - d0 - 48);
+        for (int64_t rs = 0; rs < R; rs += 4) {
+            int64_t RR = R - rs < 4 ? R - rs : 4, nmax = 0;
+            for (int64_t r = 0; r < RR; r++)
+                if (n[rs + r] > nmax)
+                    nmax = n[rs + r];
+            vec acc[4][4];
+            for (int r = 0; r < 4; r++)
+                for (int c = 0; c < 4; c++)
+                    acc[r][c] = vzero();
+            for (int64_t t = 0; t < nmax; t++) {
+                const float *vr = a->v + (a->slots ? a->slots[t] : t) * a->ldv + h * Dv + d0;
+                vec v0 = vload(vr, m0), v1 = vload(vr + 16, m1), v2 = vload(vr + 32, m2),
+                    v3 = vload(vr + 48, m3);
+                for (int64_t r = 0; r < RR; r++) {
+                    if (t >= n[rs + r])
+                        continue;
+                    vec p = vbcast(buf[(rs + r) * cap + t]);
+                    acc[r][0] = vfma(p, v0, acc[r][0]);
+                    acc[r][1] = vfma(p, v1, acc[r][1]);
+                    acc[r][2] = vfma(p, v2, acc[r][2]);
+                    acc[r][3] = vfma(p, v3, acc[r][3]);
+                }
+            }
+            for (int64_t r = 0; r < RR; r++) {
+                float *orow = a->o + (mrow[rs + r] * a->Hq + hq[rs + r]) * Dv + d0;
+                vstore(orow, acc[r][0], m0);
+                vstore(orow + 16, acc[r][1], m1);
+                vstore(orow + 32, acc[r][2], m2);
+                vstore(orow + 48, acc[r][3], m3);
+            }
+        }
+    }
+}
+
+static int64_t max_visible(const struct task_args *a)
+{
+    int64_t mx = 0;
+    for (int64_t m = 0; m < a->M; m++)
+        if (a->pos[m] + 1 > mx)
+            mx = a->pos[m] + 1;
+    return mx;
+}
+
+/* phase 1: key blocks (h, b) with (h * nblk + b) % threads == id, transposed */
+static void *transpose(void *arg)
+{
+    struct worker *w = (struct worker *)arg;
+    const struct task_args *a = w->a;
+    const int64_t D = a->D, T = max_visible(a);
+    for (;;) {
+        int64_t i = __atomic_fetch_add(a->next, 1, __ATOMIC_RELAXED);
+        if (i >= a->Hkv * a->nblk)
+            break;
+        int64_t h = i / a->nblk, t0 = (i % a->nblk) * 16;
+        float *dst = a->kt + i * D * 16;
+        for (int64_t j = 0; j < 16; j++) {
+            if (t0 + j >= T) {
+                for (int64_t d = 0; d < D; d++)
+                    dst[d * 16 + j] = 0.0f;
+                continue;
+            }
+            int64_t t = t0 + j;
+            const float *kr = a->k + (a->slots ? a->slots[t] : t) * a->ldk + h * D;
+            for (int64_t d = 0; d < D; d++)
+                dst[d * 16 + j] = kr[d];
+        }
+    }
+    return 0;
+}
+
+static void *work(void *arg)
+{
+    struct worker *w = (struct worker *)arg;
+    const struct task_args *a = w->a;
+    int64_t cap = (max_visible(a) + 15) / 16 * 16;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(RB * cap + RB * a->D));
+    if (!buf) {
+        w->err = 1;
+        return 0;
+    }
+    for (;;) {
+        int64_t t = __atomic_fetch_add(a->next, 1, __ATOMIC_RELAXED);
+        if (t >= a->tasks)
+            break;
+        one_block(a, t / a->per_head, t % a->per_head, buf, buf + RB * cap);
+    }
+    free(buf);
+    return 0;
+}
+
+/* q [M, Hq, D], k rows of ldk floats (kv-head h at h*D), v rows of ldv floats (h at h*Dv),
+ * key t in row slots[t] of both (slots NULL: row t), pos [M] (query m sees keys 0..pos[m]),
+ * o [M, Hq, Dv]. Returns 0, or -1 on no memory. */
+int hicache_attend(const float *q, const float *k, int64_t ldk, const float *v, int64_t ldv,
+                   const int64_t *slots, const int64_t *pos, float *o, int64_t M, int64_t Hq,
+                   int64_t Hkv, int64_t D, int64_t Dv, float scale, int32_t threads)
+{
+    if (M <= 0)
+        return 0;
+    int64_t per_head = (M * (Hq / Hkv) + RB - 1) / RB;
+    struct task_args a = {q, k, v, pos, slots, o, M, Hq, Hkv, D, Dv, ldk, ldv, scale,
+                          per_head * Hkv, per_head, 1, 0, 0, 0};
+    if (threads < 1)
+        threads = 1;
+    if (threads > MAX_THREADS)
+        threads = MAX_THREADS;
+    if (threads > a.tasks)
+        threads = (int32_t)a.tasks;
+    a.threads = threads;
+    a.nblk = (max_visible(&a) + 15) / 16;
+    a.kt = (float *)malloc(sizeof(float) * (size_t)(Hkv * a.nblk * D * 16));
+    if (!a.kt)
+        return -1;
+    struct worker ws[MAX_THREADS];
+    pthread_t tid[MAX_THREADS];
+    int started[MAX_THREADS];
+    int err = 0;
+    int64_t next = 0;
+    a.next = &next;
+    for (int phase = 0; phase < 2; phase++) {
+        void *(*fn)(void *) = phase == 0 ? transpose : work;
+        next = 0;
+        for (int t = 0; t < threads; t++) {
+            ws[t] = (struct worker){&a, t, 0};
+            started[t] = 0;
+        }
+        for (int t = 1; t < threads; t++)
+            started[t] = pthread_create(&tid[t], 0, fn, &ws[t]) == 0;
+        fn(&ws[0]);
+        err |= ws[0].err;
+        for (int t = 1; t < threads; t++) {
+            if (started[t])
+                pthread_join(tid[t], 0);
+            err |= ws[t].err;             /* one not started: the others took its items */
+        }
+    }
+    free(a.kt);
+    return err ? -1 : 0;
+}

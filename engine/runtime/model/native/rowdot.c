@@ -1,0 +1,178 @@
+/* hicache: float32 x @ w.T whose bits for one output element are fixed by its own row of x
+ * and column of w.T (engine/runtime/model/native_gemm.py builds and loads it).
+ *
+ * Every output element is computed the same way wherever it sits in the product: one
+ * accumulator from zero, one fused multiply-add per k, k = 0 .. K-1 in order. Blocks of rows
+ * and panels of columns only decide which elements are computed together, never how; threads
+ * take disjoint panels. So a row's result does not depend on the row count, on the other rows,
+ * on the thread count or on the blocking: batch invariant by construction. The weight is packed
+ * once into panels of 32 columns (k-major), so a block of up to 12 rows reads each weight value
+ * once and a decode step (one row) streams the weights once.
+ */
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#include <pthread.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define HC_AVX512 1
+typedef __m512 vec;
+static inline vec vzero(void) { return _mm512_setzero_ps(); }
+static inline vec vload(const float *p, int64_t left)
+{
+    if (left >= 16)
+        return _mm512_loadu_ps(p);
+    return _mm512_maskz_loadu_ps((__mmask16)((1u << left) - 1u), p);
+}
+static inline vec vload16(const float *p) { return _mm512_loadu_ps(p); }
+static inline vec vbcast(float x) { return _mm512_set1_ps(x); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline void vstore(float *o, vec a, vec b, int64_t cols)
+{
+    if (cols >= 32) {
+        _mm512_storeu_ps(o, a);
+        _mm512_storeu_ps(o + 16, b);
+        return;
+    }
+    if (cols >= 16) {
+        _mm512_storeu_ps(o, a);
+        _mm512_mask_storeu_ps(o + 16, (__mmask16)((1u << (cols - 16)) - 1u), b);
+        return;
+    }
+    _mm512_mask_storeu_ps(o, (__mmask16)((1u << cols) - 1u), a);
+}
+#else
+/* portable: the same arithmetic, one lane at a time */
+typedef struct { float l[16]; } vec;
+static inline vec vzero(void) { vec v; memset(&v, 0, sizeof v); return v; }
+static inline vec vload(const float *p, int64_t left)
+{
+    vec v = vzero();
+    int n = left >= 16 ? 16 : (int)left;
+    for (int i = 0; i < n; i++)
+        v.l[i] = p[i];
+    return v;
+}
+static inline vec vload16(const float *p) { return vload(p, 16); }
+static inline vec vbcast(float x)
+{
+    vec v;
+    for (int i = 0; i < 16; i++) v.l[i] = x;
+    return v;
+}
+static inline void vstore(float *o, vec a, vec b, int64_t cols)
+{
+    for (int64_t i = 0; i < cols && i < 16; i++) o[i] = a.l[i];
+    for (int64_t i = 16; i < cols; i++) o[i] = b.l[i - 16];
+}
+static inline vec vfma(vec a, vec b, vec c)
+{
+    for (int i = 0; i < 16; i++)
+        c.l[i] = fmaf(a.l[i], b.l[i], c.l[i]);
+    return c;
+}
+#endif
+
+/* The weight comes packed in panels of 32 output columns: p[panel][k][0..31] = w[32*panel + j][k]
+ * (zero past the last column). R rows x one panel: acc[r][j] = fma(x[r][k], p[k][j], acc[r][j])
+ * for k = 0 .. K-1, in order, from 0: the one sequence every output element takes. */
+#define BLOCK(R)                                                                           \
+static void block_##R(const float *x, int64_t ldx, const float *p, float *o, int64_t ldo,  \
+                      int64_t K, int64_t cols)                                             \
+{                                                                                          \
+    vec a0[R], a1[R];                                                                      \
+    for (int r = 0; r < R; r++) {                                                          \
+        a0[r] = vzero();                                                                   \
+        a1[r] = vzero();                                                                   \
+    }                                                                                      \
+    for (int64_t k = 0; k < K; k++) {                                                      \
+        vec w0 = vload16(p + 32 * k), w1 = vload16(p + 32 * k + 16);                       \
+        for (int r = 0; r < R; r++) {                                                      \
+            vec xb = vbcast(x[r * ldx + k]);                                               \
+            a0[r] = vfma(xb, w0, a0[r]);                                                   \
+            a1[r] = vfma(xb, w1, a1[r]);                                                   \
+        }                                                                                  \
+    }                                                                                      \
+    for (int r = 0; r < R; r++)                                                            \
+        vstore(o + r * ldo, a0[r], a1[r], cols);                                           \
+}
+BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6) BLOCK(7) BLOCK(8)
+BLOCK(9) BLOCK(10) BLOCK(11) BLOCK(12)
+
+typedef void (*block_fn)(const float *, int64_t, const float *, float *, int64_t, int64_t,
+                         int64_t);
+#define MR 12
+static const block_fn BLOCKS[MR + 1] = {0, block_1, block_2, block_3, block_4, block_5,
+                                        block_6, block_7, block_8, block_9, block_10,
+                                        block_11, block_12};
+
+struct job {
+    const float *x, *p;
+    float *o;
+    int64_t M, N, K, ldx, ldo, panels;
+    int64_t *next;                        /* the next panel to take (shared, atomic) */
+};
+
+/* panels taken one at a time from a shared counter (a thread whose core is busy elsewhere
+ * takes fewer): each panel against every block of MR rows */
+static void *run(void *arg)
+{
+    const struct job *j = (const struct job *)arg;
+    for (;;) {
+        int64_t q = __atomic_fetch_add(j->next, 1, __ATOMIC_RELAXED);
+        if (q >= j->panels)
+            break;
+        int64_t n = 32 * q, cols = j->N - n < 32 ? j->N - n : 32;
+        const float *panel = j->p + q * 32 * j->K;
+        for (int64_t m = 0; m < j->M; m += MR) {
+            int64_t R = j->M - m < MR ? j->M - m : MR;
+            BLOCKS[R](j->x + m * j->ldx, j->ldx, panel, j->o + m * j->ldo + n, j->ldo, j->K,
+                      cols);
+        }
+    }
+    return 0;
+}
+
+#define MAX_THREADS 64
+
+/* o[M, N] (row stride ldo) = x[M, K] (row stride ldx) @ w.T, w given packed (above), on up
+ * to `threads` threads (panels taken from a shared counter). Returns 0, or -1 if a thread could
+ * not be started (the others take its panels: the same bits). */
+int hicache_rowdot(const float *x, int64_t ldx, const float *p, float *o, int64_t ldo,
+                   int64_t M, int64_t N, int64_t K, int32_t threads)
+{
+    if (M <= 0 || N <= 0)
+        return 0;
+    if (threads < 1)
+        threads = 1;
+    if (threads > MAX_THREADS)
+        threads = MAX_THREADS;
+    int64_t panels = (N + 31) / 32;
+    if (threads > panels)
+        threads = (int32_t)panels;
+    int64_t next = 0;
+    struct job job = {x, p, o, M, N, K, ldx, ldo, panels, &next};
+    pthread_t tid[MAX_THREADS];
+    int started[MAX_THREADS];
+    int rc = 0;
+    for (int t = 1; t < threads; t++) {
+        started[t] = pthread_create(&tid[t], 0, run, &job) == 0;
+        if (!started[t])
+            rc = -1;
+    }
+    run(&job);                            /* takes whatever panels are left */
+    for (int t = 1; t < threads; t++)
+        if (started[t])
+            pthread_join(tid[t], 0);
+    return rc;
+}
+
+int hicache_rowdot_features(void)
+{
+#ifdef HC_AVX512
+    return 1;
+#else
+    return 0;
+#endif
+}

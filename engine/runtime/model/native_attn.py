@@ -1,0 +1,120 @@
+"""The exact path's float32 attention in C: ``native/attend.c`` (built like
+:mod:`engine.runtime.model.native_gemm`, the same switch ``HICACHE_EXACT_NATIVE``).
+
+A query row's result is one fixed sequence over its own visible keys (each score an fma chain
+over the head dim in order, the max, one vector exp, lane sums in key order, ``P @ V`` as fma
+chains over the keys in order): batch invariant by construction, whatever the chunk, its other
+rows or the thread count. It reads keys and values where they are (rows of
+``[T, kv_heads, dim]``, or of the pool through a page table: no gather), transposes the keys
+once per call into blocks of 16 that every block of rows reads, and keeps no score tensor of
+the whole chunk; the torch path (:func:`engine.runtime.model.ops._attention_exact`) pads and
+re-lays the prefix out per layer and chunk. Self-tested at load against a float64 reference,
+for row invariance and for the page-table read.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+from engine.runtime.model import native_gemm
+
+log = logging.getLogger("hicache.model")
+_SOURCE = Path(__file__).with_name("native") / "attend.c"
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def available() -> bool:
+    return native_gemm.enabled() and _fn() is not False
+
+
+def describe() -> str:
+    _fn()
+    return _state.get("what", "")
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+              scale: float, threads: int | None = None,
+              slots: torch.Tensor | None = None) -> torch.Tensor:
+    """``q [M, Hq, D]``, ``k [T, Hkv, D]``, ``v [T, Hkv, Dv]`` float32 on CPU; query ``m``
+    sees keys ``0 .. q_pos[m]``. Returns ``[M, Hq, Dv]``. ``slots``: key ``t`` is row
+    ``slots[t]`` of ``k`` and ``v`` (a paged pool read in place, no gather; the same bits as
+    attending over the gathered rows)."""
+    fn = _fn()
+    M, Hq, D = q.shape
+    Hkv = k.shape[1]
+    Dv = v.shape[2]
+    qc = q.contiguous()
+    kc = k if k.is_contiguous() else k.contiguous()
+    vc = v if v.is_contiguous() else v.contiguous()
+    pos = q_pos.to(torch.int64).contiguous()
+    sl = None if slots is None else slots.to(torch.int64).contiguous()
+    if sl is not None and len(sl) <= int(pos.max()):
+        raise ValueError("native attention: fewer slots than visible keys")
+    out = torch.empty((M, Hq, Dv), dtype=torch.float32)
+    t = torch.get_num_threads() if threads is None else threads
+    if fn(qc.data_ptr(), kc.data_ptr(), Hkv * D, vc.data_ptr(), Hkv * Dv,
+          None if sl is None else sl.data_ptr(), pos.data_ptr(), out.data_ptr(), M, Hq, Hkv,
+          D, Dv, float(scale), t) != 0:
+        raise MemoryError("native attention: no memory for its score buffers")
+    return out
+
+
+def reset() -> None:
+    with _lock:
+        _state.clear()
+
+
+def _fn():
+    fn = _state.get("fn")
+    if fn is None:
+        with _lock:
+            if _state.get("fn") is None:
+                try:
+                    lib, so = native_gemm.load_library(_SOURCE)
+                    fn = lib.hicache_attend
+                    fn.restype = ctypes.c_int
+                    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                   ctypes.c_int64,
+                                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                   ctypes.c_float, ctypes.c_int32]
+                    _state["fn"] = fn
+                    _self_test()
+                    _state["what"] = f"native ({so.name})"
+                except Exception as exc:  # any failure falls back, reported once
+                    _state["fn"] = False
+                    _state["what"] = f"torch (native attention unavailable: {exc})"
+                log.info("exact attention: %s", _state["what"])
+            fn = _state["fn"]
+    return fn
+
+
+def _self_test() -> None:
+    g = torch.Generator().manual_seed(3)
+    M, Hq, Hkv, D, Dv, T = 21, 6, 2, 40, 72, 53
+    q = torch.randn(M, Hq, D, generator=g)
+    k, v = torch.randn(T, Hkv, D, generator=g), torch.randn(T, Hkv, Dv, generator=g)
+    pos = torch.arange(T - M, T)
+    whole = attention(q, k, v, pos, 0.3, threads=1)
+    G = Hq // Hkv
+    s = torch.einsum("mhd,thd->hmt", q.double() * 0.3, k.double().repeat_interleave(G, 1))
+    s = s.masked_fill(torch.arange(T)[None, None, :] > pos[None, :, None], float("-inf"))
+    ref = torch.einsum("hmt,thd->mhd", s.softmax(-1), v.double().repeat_interleave(G, 1))
+    if not torch.allclose(whole.double(), ref, rtol=1e-4, atol=1e-5):
+        raise RuntimeError("the built kernel failed its self-test (values)")
+    perm = torch.randperm(T + 5, generator=g)[:T]            # keys scattered in a "pool"
+    kp, vp = torch.zeros(T + 5, Hkv, D), torch.zeros(T + 5, Hkv, Dv)
+    kp[perm], vp[perm] = k, v
+    if not torch.equal(attention(q, kp, vp, pos, 0.3, threads=2, slots=perm), whole):
+        raise RuntimeError("the built kernel failed its self-test (slots)")
+    for lo, hi, t in ((4, 5, 1), (0, 9, 3), (7, 21, 2)):
+        if not torch.equal(attention(q[lo:hi], k[:int(pos[hi - 1]) + 1], v[:int(pos[hi - 1]) + 1],
+                                     pos[lo:hi], 0.3, threads=t), whole[lo:hi]):
+            raise RuntimeError("the built kernel failed its self-test (row bits)")

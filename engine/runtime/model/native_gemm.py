@@ -1,0 +1,193 @@
+"""The exact path's float32 products in C: ``native/rowdot.c``, built once per machine.
+
+Each output element of ``x @ w.T`` is computed by one fixed sequence (one accumulator, a fused
+multiply-add per reduction index, in order), whatever the row count, the blocking or the thread
+count: batch invariant by construction, not by a check. The weight is packed once into panels
+of 32 columns (kept beside the weight: about the weights' size again), so a block of 12 rows reads
+each weight value once and a decode step streams the weights once, where the torch items
+(:mod:`engine.runtime.model.exact`) pad a decode step to 16 rows and go through the library's
+packing for every item.
+
+Built with the system C compiler for this CPU (``-march=native``: AVX-512 where the CPU has
+it, else the same arithmetic one lane at a time) into the per-user cache directory the host
+copies use (:mod:`engine.cache.hostcopy`), and self-tested against a float64 reference and
+for invariance before use. ``HICACHE_EXACT_NATIVE=0`` turns it off (the torch items then take
+every product); no compiler or a failed build does the same, logged once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("hicache.model")
+
+ENV = "HICACHE_EXACT_NATIVE"
+_SOURCE = Path(__file__).with_name("native") / "rowdot.c"
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-pthread"]
+_BUILD_TIMEOUT_S = 120
+
+_lock = threading.Lock()
+_state: dict = {}          # "fn": the C function or False; "what": a line for reports
+
+
+def enabled() -> bool:
+    """``HICACHE_EXACT_NATIVE`` is not ``0``."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def available() -> bool:
+    """Whether the native kernel is on (built, loaded, self-tested, not turned off)."""
+    return enabled() and _fn() is not False
+
+
+def describe() -> str:
+    _fn()
+    return _state.get("what", "")
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+    """``x [M, K] @ w.T`` (``w [N, K]``), float32 on CPU, each element's bits its own."""
+    fn = _fn()
+    xc = x if x.is_contiguous() else x.contiguous()
+    M, K = xc.shape
+    N = w.shape[0]
+    packed = pack(w)
+    out = torch.empty((M, N), dtype=torch.float32)
+    # threads start per call: a small product (a decode step's) takes fewer (same bits)
+    t = torch.get_num_threads() if threads is None else threads
+    t = max(1, min(t, (M * N * K) >> 18))
+    fn(xc.data_ptr(), K, packed.data_ptr(), out.data_ptr(), N, M, N, K, t)
+    return out
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """``w [N, K]`` as panels ``[ceil(N/32), K, 32]`` (columns past N zero), made once per
+    weight tensor and kept on it (a weight is read-only once loaded)."""
+    got = getattr(w, "_hicache_panels", None)
+    if got is not None and got[0] == (w.data_ptr(), tuple(w.shape), tuple(w.stride())):
+        return got[1]
+    N, K = w.shape
+    n_pad = -(-N // 32) * 32
+    wp = w.detach().float()
+    if n_pad != N:
+        wp = torch.cat([wp, wp.new_zeros((n_pad - N, K))])
+    panels = wp.reshape(n_pad // 32, 32, K).transpose(1, 2).contiguous()
+    w._hicache_panels = ((w.data_ptr(), tuple(w.shape), tuple(w.stride())), panels)
+    return panels
+
+
+def reset() -> None:
+    with _lock:
+        _state.clear()
+
+
+def _fn():
+    fn = _state.get("fn")
+    if fn is None:
+        with _lock:
+            if _state.get("fn") is None:
+                try:
+                    fn, where = _load()
+                    _state["what"] = f"native ({where})"
+                    log.info("exact products: %s", _state["what"])
+                except Exception as exc:  # any failure falls back, reported once
+                    fn = False
+                    _state["what"] = f"torch items (native kernel unavailable: {exc})"
+                    log.info("exact products: %s", _state["what"])
+                _state["fn"] = fn
+            fn = _state["fn"]
+    return fn
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def load_library(source_path: Path) -> "tuple[ctypes.CDLL, Path]":
+    """``source_path`` (a C file of ``native/``) built for this machine, loaded: from the
+    first usable cache directory, compiled there if missing (the compiler is needed only
+    to build)."""
+    from engine.cache.hostcopy import _cache_dirs, _compiler
+
+    source = source_path.read_bytes()
+    key = hashlib.sha256(source + " ".join(_FLAGS + [platform.machine(), sys.platform,
+                                                     _cpu_flags()]).encode()).hexdigest()[:16]
+    errors = []
+    for d in _cache_dirs():
+        so = d / f"{source_path.stem}-{key}.so"
+        try:
+            if not so.exists():
+                cc = _compiler()
+                if cc is None:
+                    raise RuntimeError("no C compiler: set CC or install gcc")
+                _compile(cc, source, so)
+            return ctypes.CDLL(str(so)), so
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            errors.append(str(exc) if "no C compiler" in str(exc) else f"{d}: {exc}")
+    raise RuntimeError("; ".join(dict.fromkeys(errors)) or "no writable cache directory")
+
+
+def _load():
+    lib, so = load_library(_SOURCE)
+    fn = lib.hicache_rowdot
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_int32]
+    _self_test(fn)
+    simd = "AVX-512" if lib.hicache_rowdot_features() else "portable"
+    return fn, f"{so.name}, {simd}"
+
+
+def _compile(cc: list[str], source: bytes, so: Path) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{so.stem}-", suffix=".so", dir=so.parent)
+    os.close(fd)
+    try:
+        res = subprocess.run(cc + _FLAGS + ["-x", "c", "-o", tmp, "-", "-lm"], input=source,
+                             capture_output=True, timeout=_BUILD_TIMEOUT_S)
+        if res.returncode != 0:
+            msg = res.stderr.decode(errors="replace").strip().splitlines()
+            raise RuntimeError(f"{cc[0]} failed: {msg[-1] if msg else res.returncode}")
+        os.replace(tmp, so)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _self_test(fn) -> None:
+    """Close to a float64 product, and the same bits for a row alone, in other row counts and
+    on other thread counts (odd sizes: every block, panel and tail path)."""
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(37, 83, generator=g), torch.randn(45, 83, generator=g)
+    p = pack(w)
+
+    def run(xs, threads):
+        o = torch.empty((xs.shape[0], 45))
+        fn(xs.data_ptr(), 83, p.data_ptr(), o.data_ptr(), 45, xs.shape[0], 45, 83, threads)
+        return o
+
+    ref = x.double() @ w.double().t()
+    whole = run(x, 1)
+    if not torch.allclose(whole.double(), ref, rtol=1e-4, atol=1e-4):
+        raise RuntimeError("the built kernel failed its self-test (values)")
+    for lo, hi, t in ((5, 6, 1), (0, 10, 3), (3, 37, 2), (0, 37, 4)):
+        if not torch.equal(run(x[lo:hi].contiguous(), t), whole[lo:hi]):
+            raise RuntimeError("the built kernel failed its self-test (row bits)")
