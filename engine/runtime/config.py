@@ -106,6 +106,40 @@ PD_ROLES = ("pd", "prefill", "decode")
 
 
 @dataclasses.dataclass(frozen=True)
+class Diverge:
+    """``--debug-diverge CLASS@RANK[:AFTER][,unguarded]``: rank ``rank`` behaves as ``cls``
+    says from its ``after``-th occasion on; ``unguarded`` also turns off the agreement that
+    prevents the class (so the online check and consensus-check can be shown catching it)."""
+
+    cls: str
+    rank: int
+    after: int = 0
+    unguarded: bool = False
+
+
+DIVERGE_CLASSES = ("capacity", "prefetch-count", "ack-order")
+# the shapes each class applies to (a class needs ranks that make the same decision)
+DIVERGE_SHAPES = {"capacity": lambda c: c.ranks * c.pp > 1,
+                  "prefetch-count": lambda c: c.tp > 1 and c.hicache_storage_backend is not None,
+                  "ack-order": lambda c: c.ranks * c.pp > 1}
+DIVERGE_NEEDS = {"capacity": "needs --tp, --cp or --pp > 1",
+                 "prefetch-count": "needs --tp > 1 and an L3 store (--hicache-storage-backend)",
+                 "ack-order": "needs --tp, --cp or --pp > 1"}
+
+
+def parse_diverge(spec: str) -> Diverge:
+    """``ValueError`` naming the expected form unless ``spec`` is one."""
+    head, _, flag = spec.partition(",")
+    cls, at, where = head.partition("@")
+    rank_s, _, after_s = where.partition(":")
+    if cls not in DIVERGE_CLASSES or not at or not rank_s.isdigit() or \
+            (after_s and not after_s.isdigit()) or flag not in ("", "unguarded"):
+        raise ValueError(f"--debug-diverge {spec!r}: expected CLASS@RANK[:AFTER][,unguarded] "
+                         f"with CLASS one of {', '.join(DIVERGE_CLASSES)}")
+    return Diverge(cls, int(rank_s), int(after_s or 0), flag == "unguarded")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModeRule:
     """Two modes that do not combine: ``applies(cfg)`` says the config asks for both."""
 
@@ -229,6 +263,11 @@ class ServerConfig:
     node_rank: int = 0
     dist_init_addr: str | None = None
     snapshot_dir: str | None = None    # every --cp/--tp/--pp rank writes tree-rank{r}.snapshot
+    # rank divergence (docs/parallelism.md, "Rank divergence classes"): online consensus of
+    # every rank's cache decisions, and a debug injector of one divergence class on one rank
+    consensus_check: str = "off"       # off | online
+    consensus_every: int = 8           # steps between online comparisons
+    debug_diverge: str | None = None   # CLASS@RANK[:AFTER][,unguarded]
 
     def __post_init__(self) -> None:
         if not 0 <= self.threads <= 1024:
@@ -314,6 +353,22 @@ class ServerConfig:
         hb = self.rank_heartbeat_timeout_s
         if not (isinstance(hb, (int, float)) and math.isfinite(hb) and (hb == 0 or 1 <= hb <= 3600)):
             raise ValueError(f"--rank-heartbeat-timeout must be 0 (off) or 1..3600 seconds, got {hb}")
+        if self.consensus_check not in ("off", "online"):
+            raise ValueError(f"--consensus-check: choose off or online, got "
+                             f"{self.consensus_check!r}")
+        if not 1 <= self.consensus_every <= 1_000_000:
+            raise ValueError(f"--consensus-every must be 1..1000000 steps, got "
+                             f"{self.consensus_every}")
+        if self.consensus_check == "online" and self.ranks * self.pp == 1:
+            raise ValueError("--consensus-check online needs ranks to compare: --tp, --cp or "
+                             "--pp > 1")
+        if self.debug_diverge is not None:
+            d = parse_diverge(self.debug_diverge)
+            if d.rank >= self.ranks * self.pp:
+                raise ValueError(f"--debug-diverge {self.debug_diverge!r}: rank {d.rank} is "
+                                 f"outside the {self.ranks * self.pp} ranks")
+            if d.cls not in DIVERGE_SHAPES or not DIVERGE_SHAPES[d.cls](self):
+                raise ValueError(f"--debug-diverge {d.cls}: {DIVERGE_NEEDS[d.cls]}")
         if self.inject_divergence:
             from engine.parallel.divergence import parse_spec
 
@@ -415,4 +470,3 @@ class ServerConfig:
         else:
             n = int(self.hicache_ratio * self.l1_tokens)
         return n - n % self.page_size
-

@@ -29,7 +29,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
            "pd_inject_fault", "pd_link_timeout"),
     "parallel": ("pp", "tp", "cp", "nnodes", "node_rank", "dist_init_addr", "pp_sync",
                  "pp_micro_batches", "debug_transfer_delay", "collective_timeout_s",
-                 "rank_heartbeat_timeout_s"),
+                 "rank_heartbeat_timeout_s", "consensus_check", "consensus_every",
+                 "debug_diverge"),
 }
 GROUP_TITLES = {"server": "Server and model", "cache": "Cache (L1 device, L2 host)",
                 "storage": "Storage (L3)", "speculative": "Speculative decoding",

@@ -41,6 +41,11 @@ class OnOff(str, enum.Enum):
     off = "off"
 
 
+class ConsensusMode(str, enum.Enum):
+    off = "off"
+    online = "online"
+
+
 class LogLevel(str, enum.Enum):
     debug = "debug"
     info = "info"
@@ -245,6 +250,18 @@ ServeDistAddr = Annotated[Optional[str], _O(
     "--dist-init-addr", field="dist_init_addr", help="HOST:PORT of the rendezvous on node 0 "
     "(needed with --nnodes > 1).")]
 
+ConsensusCheck = Annotated[ConsensusMode, _O(
+    "--consensus-check", field="consensus_check", help="online: every rank compares a digest "
+    "of its cache decisions with the others' every --consensus-every steps and the server "
+    "stops, in one line naming the divergence class and the first divergent event, before a "
+    "collective can hang (rank logs written to --rank-log-dir, else ./hicache-rank-logs).")]
+ConsensusEvery = Annotated[int, _O("--consensus-every", field="consensus_every", min=1,
+                                   help="Steps between two online comparisons.")]
+DebugDiverge = Annotated[Optional[str], _O(
+    "--debug-diverge", field="debug_diverge", metavar="CLASS@RANK[:AFTER][,unguarded]",
+    help="Debug: drive one rank into a divergence class (capacity, prefetch-count, ack-order; "
+    "docs/parallelism.md); unguarded also turns off the agreement that prevents it.")]
+
 # Parameters of serve_cmd that are not ServerConfig fields (every other one is, by name).
 CLI_ONLY = frozenset({"ctx", "dump_tree_on_exit", "log_level", "fmt"})
 
@@ -280,6 +297,8 @@ def serve_cmd(
     pp_micro_batches: PpMicro = 0, debug_transfer_delay: TransferDelay = None,
     collective_timeout_s: CollectiveTimeout = 60.0,
     rank_heartbeat_timeout_s: HeartbeatTimeout = 5.0,
+    consensus_check: ConsensusCheck = ConsensusMode.off, consensus_every: ConsensusEvery = 8,
+    debug_diverge: DebugDiverge = None,
     log_level: Level = LogLevel.warning, fmt: Format = OutputFormat.human,
 ) -> None:
     """Run the benchmark server until Ctrl-C / SIGTERM (--format json: also one JSON line with

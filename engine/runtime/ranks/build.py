@@ -34,6 +34,7 @@ from engine.runtime.config import ServerConfig, delay_for
 from engine.runtime.model import Model, load_model
 from engine.runtime.model.fingerprint import weights_digest
 from engine.runtime.model_id import model_tag
+from engine.runtime.ranks.diverge import agreed_capacity, apply_to_cache, diverge_of, pp_sync_on, wrap_store
 from engine.runtime.ranks.groups import RankGroups, cut_groups, rank_device, reduce_backend, share_cores
 from engine.runtime.ranks.lockstep import LockstepScheduler
 from engine.runtime.ranks.pipeline import PipelineScheduler, stage_model
@@ -41,6 +42,8 @@ from engine.runtime.scheduler import Scheduler, SchedulerConfig
 from engine.runtime.topology import Topology
 
 log = logging.getLogger("hicache.ranks")
+
+DIVERGENCE_LOG_DIR = "hicache-rank-logs"   # online consensus without --rank-log-dir: here
 
 
 @dataclasses.dataclass
@@ -129,6 +132,8 @@ def build_rank(cfg: ServerConfig, topo: Topology, rendezvous: Any = None,
             raise ValueError(f"{topo.describe()}: the ranks need a rendezvous")
         rendezvous.join(topo.rank, topo.world, cfg.collective_timeout_s, nnodes=topo.nnodes)
         groups = cut_groups(topo, backend)
+    dv = diverge_of(cfg)
+    l1_tokens = agreed_capacity(cfg, topo, dv)
     model = split_model(model, topo, groups)
     if cfg.context_length is not None:   # SGLang's --context-length
         if cfg.context_length > model.cfg.max_context:
@@ -152,11 +157,12 @@ def build_rank(cfg: ServerConfig, topo: Topology, rendezvous: Any = None,
     l2_tokens = cfg.l2_tokens_for(token_bytes)
     cfg.check_memory(token_bytes, l2_tokens, device)
     cache_cfg = CacheConfig(
-        page_size=cfg.page_size, l1_tokens=cfg.l1_tokens, l2_tokens=l2_tokens,
+        page_size=cfg.page_size, l1_tokens=l1_tokens, l2_tokens=l2_tokens,
         write_policy=cfg.write_policy, write_through_threshold=cfg.write_through_threshold,
         eviction_policy=cfg.eviction_policy, host_layout=cfg.host_layout, device=device,
         layout=layout, sidecar=sidecar)
     cache = make_cache(cache_cfg, model, cfg, topo, groups)
+    apply_to_cache(cache, topo, dv)
     if topo.pp > 1:
         cache.transfers.debug_delay_s = delay_for(cfg.debug_transfer_delay, topo.pp, topo.tp,
                                                   topo.stage, topo.tp_rank)
@@ -215,7 +221,8 @@ def event_log(cfg: ServerConfig, topo: Topology) -> EventLog:
     else:
         info = RankInfo(rank=topo.stage, world_size=topo.pp, pp_rank=topo.stage,
                         pp_size=topo.pp)
-    log_ = EventLog(info, enabled=keep or bool(cfg.inject_divergence), keep=keep)
+    online = cfg.consensus_check == "online"
+    log_ = EventLog(info, enabled=keep or online or bool(cfg.inject_divergence), keep=keep)
     if cfg.inject_divergence:
         from engine.parallel.divergence import install
 
@@ -291,7 +298,7 @@ def attach_storage(rank: Rank, layout: Any) -> None:
         from engine.parallel.cp_store import OwnedStore
 
         store = OwnedStore(store, cache.shape, info.cp_rank)
-    tier = StoreTier(store, cache.l2)
+    tier = StoreTier(wrap_store(store, rank.topology, diverge_of(cfg)), cache.l2)
     if rank.topology.pp > 1:
         tier.debug_delay_s = cache.transfers.debug_delay_s
     cache.attach_l3(tier,
@@ -336,12 +343,21 @@ def make_scheduler(rank: Rank, groups: RankGroups | None, health: Callable[[], l
 
         assert groups is not None
         kv_source = sharded_source(cache, topo.cp_rank, group=groups.cp)
+    consensus = None
+    if cfg.consensus_check == "online":      # every rank: a collective (its own gloo group)
+        from engine.parallel.consensus_online import OnlineConsensus, consensus_group
+
+        consensus = OnlineConsensus(cache.events, consensus_group(cache.events.rank),
+                                    every=cfg.consensus_every,
+                                    log_dir=cfg.rank_log_dir or DIVERGENCE_LOG_DIR)
     if topo.pp > 1:
         return PipelineScheduler(rank.model, cache, sched_cfg, topology=topo, groups=groups,
-                                 pp_sync=cfg.pp_sync, timeout_s=cfg.collective_timeout_s,
+                                 pp_sync=pp_sync_on(cfg, diverge_of(cfg)),
+                                 timeout_s=cfg.collective_timeout_s, consensus=consensus,
                                  num_micro_batches=cfg.pp_micro_batches, health=health,
                                  kv_source=kv_source)
     if not topo.single:
         return LockstepScheduler(rank.model, cache, sched_cfg, topology=topo, health=health,
+                                 consensus=consensus,
                                  kv_source=kv_source)
     return Scheduler(rank.model, cache, sched_cfg, draft=rank.draft, spec=spec, remote=remote)

@@ -93,10 +93,13 @@ class LockstepScheduler(Scheduler):
     """A :class:`Scheduler` that steps in lockstep with the other ranks of its topology."""
 
     def __init__(self, model: Any, cache: Any, config: Any = None, *, topology: Topology,
-                 health: Callable[[], list[str]] = lambda: [], **kw: Any):
+                 health: Callable[[], list[str]] = lambda: [], consensus: Any = None, **kw: Any):
         """``health()``: rank 0's view of the ranks that are gone (the launcher's), most
-        likely cause first."""
+        likely cause first. ``consensus``: an
+        :class:`~engine.parallel.consensus_online.OnlineConsensus` over this rank's events
+        (``--consensus-check online``): compared after every step it names."""
         super().__init__(model, cache, config, **kw)
+        self.consensus = consensus
         self.topology = topology
         self.leader = topology.leader
         self.health = health
@@ -180,6 +183,12 @@ class LockstepScheduler(Scheduler):
     def _on_halt(self) -> None:
         """Every rank, once the halt is applied (pipeline: close pp_sync's links)."""
 
+    def step(self, block: bool = False) -> bool:
+        busy = super().step(block)
+        if self.consensus is not None and not self.halted:
+            self.consensus.step_done(self.step_no)   # a collective: every rank, same steps
+        return busy
+
     # -- a lost group ----------------------------------------------------------------------
     def _batch_failed(self, exc: Exception, reqs: list[_Req]) -> None:
         raise exc                  # the peers ran this step: the group cannot go on
@@ -199,8 +208,12 @@ class LockstepScheduler(Scheduler):
         """Rank 0: the one line that says why the group stopped; fail every request with it."""
         self.broken = True
         first = str(exc).splitlines()[0][:200] if str(exc) else ""
-        dead = self._named_dead()
-        if dead:
+        from engine.parallel.consensus_online import RankConsensusError
+
+        dead = [] if isinstance(exc, RankConsensusError) else self._named_dead()
+        if isinstance(exc, RankConsensusError):  # every rank saw it at the same check
+            msg = f"stopped before a hang: {exc}"
+        elif dead:
             msg = f"{dead[0]}; the {self.group_word} cannot continue"
         elif is_link_error(exc):
             msg = (f"a {self.group_word} collective failed ({type(exc).__name__}: {first}); a "

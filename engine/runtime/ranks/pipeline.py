@@ -106,10 +106,10 @@ class PipelineScheduler(LockstepScheduler):
     def __init__(self, model: Model, cache: Any, config: Any, *, topology: Topology,
                  groups: Any, pp_sync: bool = True, timeout_s: float = 60.0,
                  num_micro_batches: int = 0, health: Callable[[], list[str]] = lambda: [],
-                 kv_source: Any = None):
+                 kv_source: Any = None, consensus: Any = None):
         """``groups``: this rank's :class:`~engine.runtime.ranks.groups.RankGroups`."""
         super().__init__(model, cache, config, topology=topology, health=health,
-                         kv_source=kv_source)
+                         kv_source=kv_source, consensus=consensus)
         t = topology
         self.stage, self.num_stages = t.stage, t.pp
         self.num_micro_batches = num_micro_batches or t.pp

@@ -1,0 +1,86 @@
+"""Rank divergence on a live server: the classes one rank can be driven into (debug,
+``--debug-diverge CLASS@RANK[:AFTER][,unguarded]``), the agreement that keeps every rank's
+decisions equal anyway, and the online check that stops the group in one line when a
+divergence slips through (``--consensus-check online``). docs/parallelism.md, "Rank divergence
+classes", lists each class, where it comes from in real deployments and what prevents it.
+
+* ``capacity`` — one rank's L1 is one page smaller (pools sized from the free memory each device
+  reports). Prevented by a group-agreed capacity: every rank takes the smallest pool any rank
+  can hold (an all-reduce MIN before the pools are built).
+* ``prefetch-count`` — one TP rank's L3 store finds one page fewer of a prefix (it lost an
+  object). Prevented by the agreed L3 hit length (the minimum over the TP group).
+* ``ack-order`` — one rank's copies finish later, so at a given step it has fewer completed
+  transfers to commit. Prevented by agreed commit counts (pp_sync's ACKs across stages, the TP
+  group's minimum inside one).
+
+``unguarded`` turns the class's agreement off on every rank, so the divergence happens and the
+online check (or ``hicache consensus-check`` on the logs) can be shown naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.runtime.config import Diverge, ServerConfig, parse_diverge
+from engine.runtime.topology import Topology
+
+DELAY_S = 0.05           # ack-order: the diverging rank's copies take this long each
+
+
+def diverge_of(cfg: ServerConfig) -> Diverge | None:
+    return None if cfg.debug_diverge is None else parse_diverge(cfg.debug_diverge)
+
+
+def agreed_capacity(cfg: ServerConfig, topo: Topology, dv: Diverge | None) -> int:
+    """This rank's L1 tokens: ``--l1-tokens``, one page less on a ``capacity`` rank, then the
+    group's minimum (unless unguarded)."""
+    l1 = cfg.l1_tokens
+    if dv is not None and dv.cls == "capacity" and dv.rank == topo.rank:
+        l1 -= cfg.page_size
+    if topo.single or (dv is not None and dv.cls == "capacity" and dv.unguarded):
+        return l1
+    import torch.distributed as dist
+
+    t = torch.tensor([l1], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+class LossyStore:
+    """A store that, from its ``after``-th existence query on, finds one page fewer of every
+    prefix it holds (an object lost on this rank's side)."""
+
+    def __init__(self, store: Any, after: int):
+        self.store, self.after, self.queries = store, after, 0
+
+    def exists_prefix(self, hashes: Any) -> int:
+        n = self.store.exists_prefix(hashes)
+        self.queries += 1
+        return n - 1 if n > 0 and self.queries > self.after else n
+
+    def __getattr__(self, name: str) -> Any:      # a debug stand-in: everything else as is
+        return getattr(self.store, name)
+
+
+def wrap_store(store: Any, topo: Topology, dv: Diverge | None) -> Any:
+    if dv is not None and dv.cls == "prefetch-count" and dv.rank == topo.rank:
+        return LossyStore(store, dv.after)
+    return store
+
+
+def apply_to_cache(cache: Any, topo: Topology, dv: Diverge | None) -> None:
+    """After the cache is built: the ack-order delay on its rank; unguarded TP agreements off
+    on every rank (``prefetch-count``, ``ack-order``)."""
+    if dv is None:
+        return
+    if dv.cls == "ack-order" and dv.rank == topo.rank:
+        cache.transfers.debug_delay_s = max(cache.transfers.debug_delay_s, DELAY_S)
+    if dv.unguarded and dv.cls in ("prefetch-count", "ack-order") and topo.tp > 1:
+        cache.agreeing = False
+
+
+def pp_sync_on(cfg: ServerConfig, dv: Diverge | None) -> bool:
+    """pp_sync, unless an unguarded ack-order divergence turns it off."""
+    return cfg.pp_sync and not (dv is not None and dv.cls == "ack-order" and dv.unguarded)

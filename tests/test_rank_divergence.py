@@ -1,0 +1,143 @@
+"""Rank divergence classes on a live server (docs/parallelism.md, "Rank divergence classes"):
+for each class injected on one rank of real rank processes (``--debug-diverge``),
+
+1. with the agreement that prevents it, outputs equal one process and the logs agree;
+2. with it off (``,unguarded``), ``--consensus-check online`` stops the server in one line
+   naming the divergence before any collective hangs;
+3. ``hicache consensus-check`` on the logs it wrote names the same category.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+from engine.runtime.launch import ServerConfig, start_server
+from hicache_cli.app import app
+from tests.serve_client import SCRIPT, generate, prompt
+
+# the request script of the other multi-rank tests, then prompts of varied lengths: enough L1
+# churn that a one-page capacity difference shows in an eviction
+WORK = SCRIPT + [prompt(17 * (i % 5) + 40, 50 + i) for i in range(12)]
+
+# an extra eviction on the smaller rank: the first differing event, aligned by sequence number
+# (online) or with the logs' context (offline), is an extra event or a lock taken elsewhere
+CAPACITY = ("eviction_eligibility_divergence", "missing_events", "lock_order_mismatch")
+# case -> (the injection, the shape, the consensus categories its first symptom can fall in:
+# docs/parallelism.md maps each class to them)
+CASES = {
+    "capacity-tp2": ("capacity@1", dict(tp=2), CAPACITY),
+    "capacity-pp2": ("capacity@1", dict(pp=2), CAPACITY),
+    "prefetch-count-tp2": ("prefetch-count@1", dict(tp=2), ("hit_length_mismatch",
+                                                            "event_mismatch")),
+    "ack-order-tp2": ("ack-order@1", dict(tp=2), ("restore_completion_mismatch",
+                                                  "missing_events")),
+    "ack-order-pp2": ("ack-order@1", dict(pp=2), ("pp_ack_consumption_mismatch",
+                                                  "restore_completion_mismatch")),
+}
+
+
+def _cfg(tmp_path, **kw) -> ServerConfig:
+    return ServerConfig(port=0, l1_tokens=256, l2_tokens=2048, page_size=16,
+                        collective_timeout_s=60, **kw)
+
+
+def _storage(tmp_path, name: str, spec: str) -> dict:
+    if not spec.startswith("prefetch-count"):
+        return {}
+    return dict(hicache_storage_backend="file", hicache_storage_dir=str(tmp_path / name),
+                hicache_storage_prefetch_policy="wait_complete")
+
+
+def _script(url: str, twice: bool) -> list:
+    out = [list(generate(url, ids)) for ids in WORK]
+    if twice:                      # a second round: the L3 copies of the first are read back
+        out += [list(generate(url, ids)) for ids in WORK]
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    out = {}
+    for twice in (False, True):
+        d = tmp_path_factory.mktemp("one")
+        h = start_server(_cfg(d, **({} if not twice else _storage(d, "l3", "prefetch-count"))))
+        try:
+            if twice:
+                _script(h.url, False)
+                requests_flush(h.url)
+            out[twice] = _script(h.url, twice=False)
+        finally:
+            h.stop()
+    return out
+
+
+def requests_flush(url: str) -> None:
+    import requests
+
+    assert requests.post(url + "/flush_cache", timeout=60).ok     # L1+L2: the next round reads L3
+
+
+def _consistent(log_dir) -> dict:
+    r = CliRunner().invoke(app, ["consensus-check", str(log_dir), "--format", "json"])
+    return {"code": r.exit_code, **json.loads(r.stdout)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_agreement_keeps_every_rank_equal(one_process, tmp_path, case):
+    spec, shape, _ = CASES[case]
+    l3 = spec.startswith("prefetch-count")
+    h = start_server(_cfg(tmp_path, rank_log_dir=str(tmp_path / "logs"), debug_diverge=spec,
+                          consensus_check="online", **shape, **_storage(tmp_path, "l3", spec)))
+    try:
+        if l3:
+            _script(h.url, False)
+            requests_flush(h.url)
+        got = _script(h.url, twice=False)
+    finally:
+        h.stop()
+    assert [o for o, _ in got] == [o for o, _ in one_process[l3]]
+    out = _consistent(tmp_path / "logs")
+    assert out["code"] == 0 and out["consistent"] is True, out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_unguarded_the_online_check_stops_in_one_line_and_the_logs_name_it(tmp_path, case):
+    import requests
+
+    spec, shape, category = CASES[case]
+    l3 = spec.startswith("prefetch-count")
+    logs = tmp_path / "logs"
+    h = start_server(_cfg(tmp_path, rank_log_dir=str(logs), debug_diverge=spec + ",unguarded",
+                          consensus_check="online", consensus_every=1, **shape,
+                          **_storage(tmp_path, "l3", spec)))
+    errors = []
+    try:
+        for round_ in range(2 if l3 else 1):
+            for ids in WORK:
+                r = requests.post(h.url + "/generate", timeout=120, json={
+                    "input_ids": ids, "sampling_params": {"max_new_tokens": 6,
+                                                          "ignore_eos": True}})
+                if r.status_code != 200:
+                    errors.append(r.json()["error"]["message"])
+                    break
+            if errors:
+                break
+            if l3:
+                requests_flush(h.url)
+        health = requests.get(h.url + "/health", timeout=10)
+    finally:
+        h.stop()
+    assert errors, "the divergence went unnoticed"
+    assert "stopped before a hang: rank consensus lost" in errors[0], errors[0]
+    import re
+
+    online = re.search(r"since the last agreement\): (\w+): rank", errors[0]).group(1)
+    assert health.status_code == 503
+    out = _consistent(logs)                  # offline, on the logs the ranks wrote
+    assert out["code"] == 3 and out["consistent"] is False, out
+    assert online in category, (online, category)
+    assert out["divergences"][0]["category"] in category, out
