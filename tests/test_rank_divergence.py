@@ -10,7 +10,6 @@ for each class injected on one rank of real rank processes (``--debug-diverge``)
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 from typer.testing import CliRunner
