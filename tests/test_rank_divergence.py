@@ -115,7 +115,7 @@ def test_unguarded_the_online_check_stops_in_one_line_and_the_logs_name_it(tmp_p
                           **_storage(tmp_path, "l3", spec)))
     errors = []
     try:
-        for round_ in range(2 if l3 else 1):
+        for _round in range(2 if l3 else 1):
             for ids in WORK:
                 r = requests.post(h.url + "/generate", timeout=120, json={
                     "input_ids": ids, "sampling_params": {"max_new_tokens": 6,
