@@ -34,9 +34,12 @@ L2Tokens = Annotated[int, typer.Option("--l2-tokens", min=0,
 L3Tokens = Annotated[int, typer.Option("--l3-tokens", min=-1,
                                        help="L3 (storage) capacity in tokens; 0 = no L3, -1 = "
                                             "unbounded. Needs --l2-tokens > 0.")]
-Policy = Annotated[PolicyName, typer.Option("--policy", help="Eviction policy (opt: Belady's "
-                                                             "offline bound, replay only).")]
-WritePolicyOpt = Annotated[WritePolicy, typer.Option("--write-policy",
+# One name per concept across commands, the other command's spelling as an alias: replay's
+# --policy is bench serve's --eviction-policy, its --write-policy serve's --hicache-write-policy.
+Policy = Annotated[PolicyName, typer.Option("--policy", "--eviction-policy",
+                                            help="Eviction policy (opt: Belady's offline bound, "
+                                                 "replay only).")]
+WritePolicyOpt = Annotated[WritePolicy, typer.Option("--write-policy", "--hicache-write-policy",
                                                      help="When L1 pages are copied to L2.")]
 Limit = Annotated[Optional[int], typer.Option("--limit", min=1,
                                               help="Only the first N requests of the trace.")]
