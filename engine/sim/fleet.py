@@ -96,6 +96,7 @@ class FleetResult:
     uncacheable_requests: int
     cache_seconds: float
     router_seconds: float
+    replica_of: list[int] = dataclasses.field(default_factory=list, repr=False)  # per request
 
     @property
     def hit_tokens(self) -> int:
@@ -344,6 +345,7 @@ def fleet_replay(inp: ReplayInput, cfg: ReplayConfig, replicas: int, router: str
     blocks = tr.blocks
     need_ids = router in ("session", "consistent-hash", "cache-aware")
     computed = [0] * replicas
+    replica_of: list[int] = []
     l1 = l2 = l3 = uncacheable = 0
     t_cache = t_route = 0.0
     perf = time.perf_counter
@@ -360,6 +362,7 @@ def fleet_replay(inp: ReplayInput, cfg: ReplayConfig, replicas: int, router: str
         t_route += t1 - t0 + perf() - t2
         t_cache += t2 - t1
         computed[r] += lens[i] - hit
+        replica_of.append(r)
         l1 += h1
         l2 += h2
         l3 += h3
@@ -367,7 +370,7 @@ def fleet_replay(inp: ReplayInput, cfg: ReplayConfig, replicas: int, router: str
         if progress is not None:
             progress(i + 1)
     return FleetResult(router, replicas, n_req, int(sum(lens[:n_req])), l1 * p, l2 * p,
-                       l3 * p, computed, route.routed, uncacheable, t_cache, t_route)
+                       l3 * p, computed, route.routed, uncacheable, t_cache, t_route, replica_of)
 
 
 def pooled_bound(inp: ReplayInput, cfg: ReplayConfig, replicas: int) -> FleetResult:
