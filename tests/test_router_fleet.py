@@ -1,0 +1,124 @@
+"""Two hicache replicas sharing a file L3 behind SGLang's own router (PyPI ``sglang-router``, the
+``fleet`` extra; installed by ``make``): cache_aware sends a repeated prompt back to the replica
+that holds it; round_robin sends it to the other one, which still finds it in the shared L3."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from engine.runtime.launch import ServerConfig, start_server
+
+pytest.importorskip("sglang_router", reason="the fleet extra (sglang-router) is not installed")
+
+PAGE = 16
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _router(urls: list[str], policy: str, log) -> tuple[subprocess.Popen, str]:
+    port = _port()
+    proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router",
+                             "--worker-urls", *urls, "--policy", policy, "--host", "127.0.0.1",
+                             "--port", str(port), "--prometheus-host", "127.0.0.1",
+                             "--prometheus-port", str(_port()), "--log-level", "warn"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _ready(proc: subprocess.Popen, url: str, log_path) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"router exited: {log_path.read_text()[-2000:]}"
+        try:
+            workers = requests.get(url + "/workers", timeout=2).json()["workers"]
+            if len(workers) == 2 and all(w.get("is_healthy") for w in workers):
+                return
+        except (requests.RequestException, ValueError, KeyError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"router not ready: {log_path.read_text()[-2000:]}")
+
+
+def _generate(url: str, text: str) -> dict:
+    r = requests.post(url + "/generate", timeout=120, json={
+        "text": text, "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    assert r.status_code == 200, r.text
+    return r.json()["meta_info"]
+
+
+def _puts(urls: list[str]) -> float:
+    total = 0.0
+    for u in urls:
+        for line in requests.get(u + "/metrics", timeout=30).text.splitlines():
+            if line.startswith('hicache_l3_pages_total{outcome="puts"}'):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    store = tmp_path_factory.mktemp("l3")
+    logs = tmp_path_factory.mktemp("router")
+    cfg = dict(port=0, l1_tokens=2048, l2_tokens=4096, page_size=PAGE,
+               hicache_storage_backend="file", hicache_storage_dir=str(store),
+               hicache_storage_prefetch_policy="wait_complete")
+    with start_server(ServerConfig(**cfg)) as a, start_server(ServerConfig(**cfg)) as b:
+        urls = [a.url, b.url]
+        routers = {}
+        files = []
+        try:
+            for policy in ("cache_aware", "round_robin"):     # both start at once
+                path = logs / f"{policy}.log"
+                files.append(open(path, "w"))
+                routers[policy] = (*_router(urls, policy, files[-1]), path)
+            for proc, url, path in routers.values():
+                _ready(proc, url, path)
+            yield urls, {k: v[1] for k, v in routers.items()}
+        finally:
+            for proc, _, _ in routers.values():
+                proc.terminate()
+            for proc, _, _ in routers.values():
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            for f in files:
+                f.close()
+
+
+def test_cache_aware_routes_the_repeat_to_the_replica_that_has_it(fleet):
+    _, router = fleet
+    text = "cache-aware routing keeps a session's prefix where it was computed. " * 5
+    first = _generate(router["cache_aware"], text)
+    assert first["cached_tokens"] == 0
+    second = _generate(router["cache_aware"], text)
+    d = second["cached_tokens_details"]
+    full = first["prompt_tokens"] // PAGE * PAGE
+    assert d["device"] >= full - PAGE and d["storage"] == 0, second
+    assert second["cached_tokens"] == d["device"] + d["host"] + d["storage"]
+
+
+def test_round_robin_moves_the_repeat_and_the_shared_l3_still_hits(fleet):
+    urls, router = fleet
+    text = "round-robin spreads a session over replicas; the shared store remembers it. " * 5
+    before = _puts(urls)
+    first = _generate(router["round_robin"], text)
+    assert first["cached_tokens"] == 0
+    pages = first["prompt_tokens"] // PAGE
+    deadline = time.monotonic() + 30           # the backup to L3 is written behind the request
+    while _puts(urls) < before + pages - 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    second = _generate(router["round_robin"], text)
+    d = second["cached_tokens_details"]
+    assert d["device"] == 0 and d["host"] == 0, f"landed on the same replica: {second}"
+    assert d["storage"] >= (pages - 1) * PAGE, second
