@@ -4,6 +4,7 @@ that holds it; round_robin sends it to the other one, which still finds it in th
 
 from __future__ import annotations
 
+import logging
 import socket
 import subprocess
 import sys
@@ -13,8 +14,6 @@ import pytest
 import requests
 
 from engine.runtime.launch import ServerConfig, start_server
-
-pytest.importorskip("sglang_router", reason="the fleet extra (sglang-router) is not installed")
 
 PAGE = 16
 
@@ -67,6 +66,8 @@ def _puts(urls: list[str]) -> float:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
+    pytest.importorskip("sglang_router", reason="the fleet extra (sglang-router) is not "
+                                                "installed")
     store = tmp_path_factory.mktemp("l3")
     logs = tmp_path_factory.mktemp("router")
     cfg = dict(port=0, l1_tokens=2048, l2_tokens=4096, page_size=PAGE,
@@ -122,3 +123,18 @@ def test_round_robin_moves_the_repeat_and_the_shared_l3_still_hits(fleet):
     d = second["cached_tokens_details"]
     assert d["device"] == 0 and d["host"] == 0, f"landed on the same replica: {second}"
     assert d["storage"] >= (pages - 1) * PAGE, second
+
+
+def test_the_routers_http2_probe_is_a_400_and_one_log_line(caplog):
+    # sglang-router opens every worker with an HTTP/2 preface (looking for gRPC workers).
+    with start_server(ServerConfig(port=0, l1_tokens=1024)) as s:
+        host, port = s.url.rsplit("/", 1)[1].rsplit(":", 1)
+        with caplog.at_level(logging.WARNING, logger="aiohttp.server"), \
+                socket.create_connection((host, int(port)), timeout=10) as c:
+            c.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x18\x04\x00\x00\x00\x00\x00")
+            reply = c.recv(64)
+            time.sleep(0.2)
+    assert reply.startswith(b"HTTP/1.0 400") or reply.startswith(b"HTTP/1.1 400"), reply
+    records = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert records and all(r.exc_info is None and "\n" not in r.getMessage() for r in records)
+    assert "answered 400" in records[0].getMessage()

@@ -395,7 +395,29 @@ async def dump_tree(request: web.Request) -> web.Response:
                         headers={"Content-Disposition": 'attachment; filename="tree.snapshot"'})
 
 
+class _OneLineBadRequests(logging.Filter):
+    """aiohttp answers bytes that are not an HTTP/1 request with a 400 and logs a traceback;
+    SGLang's router probes every worker with an HTTP/2 preface (to find gRPC ones), so make
+    that one warning line, as SGLang's own server logs it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import BadHttpMessage
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, BadHttpMessage):
+            why = (exc.message or "").strip().splitlines()
+            record.msg = f"{record.getMessage()}: answered 400 ({why[0] if why else 'bad request'})"
+            record.args = ()
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+_BAD_REQUESTS = _OneLineBadRequests()
+
+
 def make_app(engine: Engine) -> web.Application:
+    logging.getLogger("aiohttp.server").addFilter(_BAD_REQUESTS)   # once: a set of filters
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors])
     app[ENGINE_KEY] = engine
     app[_SLOTS_KEY] = asyncio.Semaphore(BODY_SLOTS)
