@@ -129,7 +129,7 @@ def test_the_routers_http2_probe_is_a_400_and_one_log_line(caplog):
     # sglang-router opens every worker with an HTTP/2 preface (looking for gRPC workers).
     with start_server(ServerConfig(port=0, l1_tokens=1024)) as s:
         host, port = s.url.rsplit("/", 1)[1].rsplit(":", 1)
-        with caplog.at_level(logging.WARNING, logger="aiohttp.server"), \
+        with caplog.at_level(logging.INFO, logger="aiohttp.server"), \
                 socket.create_connection((host, int(port)), timeout=10) as c:
             c.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x18\x04\x00\x00\x00\x00\x00")
             reply = c.recv(64)
@@ -138,3 +138,38 @@ def test_the_routers_http2_probe_is_a_400_and_one_log_line(caplog):
     records = [r for r in caplog.records if r.name == "aiohttp.server"]
     assert records and all(r.exc_info is None and "\n" not in r.getMessage() for r in records)
     assert "answered 400" in records[0].getMessage()
+    assert all(r.levelno == logging.INFO for r in records)
+
+
+def test_bench_replicas_runs_both_policies_side_by_side():
+    pytest.importorskip("sglang_router", reason="the fleet extra (sglang-router) is not "
+                                                "installed")
+    import json
+
+    from typer.testing import CliRunner
+
+    from hicache_cli.app import app
+
+    r = CliRunner().invoke(app, ["bench", "--replicas", "2", "--num-clients", "2",
+                                 "--num-rounds", "3", "--format", "json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert list(d["runs"]) == ["round_robin", "cache_aware"] and d["replicas"] == 2
+    for run in d["runs"].values():
+        assert run["requests"]["ok"] == 6 and run["requests"]["failed"] == 0
+        computed = run["replicas"]["computed_prompt_tokens"]
+        assert len(computed) == 2 and sum(computed) > 0
+    assert d["runs"]["round_robin"]["replicas"]["load_spread"] < 1.5   # both replicas worked
+
+
+@pytest.mark.parametrize("args,needle", [(["--replicas", "1"], "--replicas must be >= 2"),
+                                         (["--replicas", "2", "--router", "nearest"],
+                                          "unknown policy 'nearest'")])
+def test_bench_replicas_bad_input(args, needle):
+    from typer.testing import CliRunner
+
+    from hicache_cli.app import app
+
+    r = CliRunner().invoke(app, ["bench", *args])
+    assert r.exit_code == 2, r.output
+    assert needle in r.output and "Traceback" not in r.output

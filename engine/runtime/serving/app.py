@@ -396,9 +396,9 @@ async def dump_tree(request: web.Request) -> web.Response:
 
 
 class _OneLineBadRequests(logging.Filter):
-    """aiohttp answers bytes that are not an HTTP/1 request with a 400 and logs a traceback;
-    SGLang's router probes every worker with an HTTP/2 preface (to find gRPC ones), so make
-    that one warning line, as SGLang's own server logs it."""
+    """aiohttp answers bytes that are not an HTTP/1 request with a 400 and logs a traceback at
+    ERROR; SGLang's router opens every worker with an HTTP/2 preface (looking for gRPC ones), so
+    make that one INFO line: the 400 is the answer, nothing failed."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         from aiohttp.http_exceptions import BadHttpMessage
@@ -406,10 +406,12 @@ class _OneLineBadRequests(logging.Filter):
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, BadHttpMessage):
             why = (exc.message or "").strip().splitlines()
-            record.msg = f"{record.getMessage()}: answered 400 ({why[0] if why else 'bad request'})"
+            peer = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+            record.msg = (f"not an HTTP/1 request from {peer} (an HTTP/2 or gRPC probe?): "
+                          f"answered 400 ({why[0].rstrip(':') if why else 'bad request'})")
             record.args = ()
             record.exc_info = record.exc_text = None
-            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.levelno, record.levelname = logging.INFO, "INFO"
         return True
 
 
