@@ -179,3 +179,13 @@ def test_cli_fleet_bad_input(args, needle):
     r = runner.invoke(app, ["bench", "replay", DATA, "--limit", "10", *args])
     assert r.exit_code == 2, r.output
     assert needle in r.output and "Traceback" not in r.output
+
+
+def test_the_pooled_replica_is_not_a_bound_under_lru(head):
+    # A partition can keep streams from evicting each other: sessions kept apart on 16 small
+    # replicas hit more than one LRU cache of their summed size (docs/fleet.md).
+    cfg = ReplayConfig(l1_tokens=140_000, events=False)
+    pooled = pooled_bound(head, cfg, 16)
+    session = fleet_replay(head, cfg, 16, "session")
+    assert session.hit_tokens > pooled.hit_tokens
+    assert fleet_replay(head, cfg, 16, "round-robin").hit_tokens < pooled.hit_tokens
