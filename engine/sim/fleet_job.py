@@ -65,9 +65,9 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def router(urls: list[str], policy: str) -> Iterator[str]:
+def router(urls: list[str], policy: str, extra: list[str] | None = None) -> Iterator[str]:
     """SGLang's router over ``urls`` on a free 127.0.0.1 port, ready (every worker healthy);
-    always stopped."""
+    always stopped. ``extra``: more router options (``["--cache-threshold", "0.5"]``)."""
     import requests
 
     port = _free_port()
@@ -75,7 +75,8 @@ def router(urls: list[str], policy: str) -> Iterator[str]:
     proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router",
                              "--worker-urls", *urls, "--policy", policy, "--host", "127.0.0.1",
                              "--port", str(port), "--prometheus-host", "127.0.0.1",
-                             "--prometheus-port", str(_free_port()), "--log-level", "warn"],
+                             "--prometheus-port", str(_free_port()), "--log-level", "warn",
+                             *(extra or [])],
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -122,9 +123,10 @@ def _plain(wl, lc: LoadConfig, label: str) -> LoadResult:
 
 
 def run_fleet_job(cfg: MainJobConfig, replicas: int, policies: list[str],
-                  runner: Runner = _plain) -> dict:
+                  runner: Runner = _plain, cache_threshold: float | None = None) -> dict:
     """One run per router policy; ``{"config", "replicas", "runs": {policy: summary +
-    "replicas": {"computed_prompt_tokens", "load_spread"}}, "wall_s"}``."""
+    "replicas": {"computed_prompt_tokens", "load_spread"}}, "wall_s"}``.
+    ``cache_threshold``: the router's ``--cache-threshold`` (None: its default, 0.3)."""
     from engine.runtime.launch import start_server
 
     t0 = time.perf_counter()
@@ -146,7 +148,9 @@ def run_fleet_job(cfg: MainJobConfig, replicas: int, policies: list[str],
                     stack.callback(h.stop)
                     urls.append(h.url)
                 wl = build_workload(cfg)        # fresh sessions: the same prompts each run
-                with router(urls, policy) as url:
+                extra = ([] if cache_threshold is None
+                         else ["--cache-threshold", str(cache_threshold)])
+                with router(urls, policy, extra) as url:
                     result = runner(wl, LoadConfig(url=url, concurrency=cfg.concurrency,
                                                    seed=cfg.seed), policy)
                 computed = [_computed(u) for u in urls]
@@ -157,4 +161,4 @@ def run_fleet_job(cfg: MainJobConfig, replicas: int, policies: list[str],
             runs[policy] = summary
     tiers = "L1+L2+L3(file, shared)" if cfg.storage else "L1+L2"
     return {"config": {**dataclasses.asdict(cfg), "shape": cfg.shape(), "hicache_tiers": tiers},
-            "replicas": replicas, "runs": runs, "wall_s": time.perf_counter() - t0}
+            "replicas": replicas, "cache_threshold": cache_threshold, "runs": runs, "wall_s": time.perf_counter() - t0}

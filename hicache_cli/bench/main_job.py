@@ -54,6 +54,9 @@ def main_job(
                                  "replicas sharing one file L3, once per --router policy."),
     router: str = typer.Option("round_robin,cache_aware", "--router",
                                help="With --replicas: router policies, side by side."),
+    cache_threshold: Optional[float] = typer.Option(
+        None, "--cache-threshold", min=0.0, max=1.0,
+        help="With --replicas: the router's cache_aware match threshold (default: its 0.3)."),
 ) -> None:
     """Compare L1 only with HiCache on one workload (embedded server): hit rate per tier, TTFT,
     throughput."""
@@ -68,7 +71,8 @@ def main_job(
         fit_l1=l1_tokens is None, l2_tokens=l2_tokens, storage=storage,
         device=device, model=model, seed=seed, threads=threads)
     if replicas is not None:
-        _fleet_job(job, replicas, [p.strip() for p in router.split(",") if p.strip()], fmt)
+        _fleet_job(job, replicas, [p.strip() for p in router.split(",") if p.strip()], fmt,
+                   cache_threshold)
     else:
         _main_job(job, fmt)
 
@@ -99,7 +103,8 @@ def _main_job(cfg: MainJobConfig, fmt: OutputFormat) -> None:
 
 
 @handle_errors
-def _fleet_job(cfg: MainJobConfig, replicas: int, policies: list[str], fmt: OutputFormat) -> None:
+def _fleet_job(cfg: MainJobConfig, replicas: int, policies: list[str], fmt: OutputFormat,
+               cache_threshold: Optional[float]) -> None:
     from engine.sim.fleet_job import check_fleet, run_fleet_job
 
     try:
@@ -107,7 +112,7 @@ def _fleet_job(cfg: MainJobConfig, replicas: int, policies: list[str], fmt: Outp
         check_fleet(replicas, policies)
     except ValueError as exc:
         fail(str(exc), 2)
-    res = run_fleet_job(fitted(cfg), replicas, policies, _with_progress)
+    res = run_fleet_job(fitted(cfg), replicas, policies, _with_progress, cache_threshold)
     failed = {k: r["first_error"] for k, r in res["runs"].items() if r["requests"]["failed"]}
     if fmt is OutputFormat.json:
         emit_json(res)
