@@ -133,6 +133,8 @@ def test_session_routing_keeps_a_conversation_on_one_replica():
     assert len({next(iter(s)) for s in by_conv.values()}) > 1     # not all on one replica
     keyed = fleet_replay(inp, cfg, 4, "session", sessions=[0] * len(reqs))
     assert len(set(keyed.replica_of)) == 1                          # the given key wins
+    named = fleet_replay(inp, cfg, 4, "session", sessions=[f"s{i % 6}" for i in range(18)])
+    assert named.replica_of[:6] == named.replica_of[6:12] == named.replica_of[12:]
 
 
 def test_cache_aware_follows_the_prefix_and_balances_new_ones():

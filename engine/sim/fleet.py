@@ -190,8 +190,10 @@ class _Ring:
         self.keys = [k for k, _ in pts]
         self.owner = [r for _, r in pts]
 
-    def pick(self, key: int) -> int:
-        i = bisect.bisect(self.keys, _h64(key.to_bytes(16, "little", signed=True)))
+    def pick(self, key: "int | str | bytes") -> int:
+        raw = (key.encode() if isinstance(key, str) else key if isinstance(key, bytes)
+               else int(key).to_bytes(16, "little", signed=True))
+        i = bisect.bisect(self.keys, _h64(raw))
         return self.owner[i % len(self.owner)]
 
 
@@ -222,7 +224,7 @@ class _ApproxTree:
 
 class _Router:
     def __init__(self, name: str, n: int, rc: RouterConfig, inp: ReplayInput,
-                 sessions: Sequence[int] | None):
+                 sessions: Sequence | None):
         if name not in ROUTERS:
             raise ValueError(f"unknown router {name!r}; choose from {list(ROUTERS)}")
         self.name, self.n, self.rc = name, n, rc
@@ -312,13 +314,13 @@ def _common_prefix(inp: ReplayInput) -> int:
 # --------------------------------------------------------------------------- the fleet
 
 def fleet_replay(inp: ReplayInput, cfg: ReplayConfig, replicas: int, router: str,
-                 rc: RouterConfig | None = None, *, sessions: Sequence[int] | None = None,
+                 rc: RouterConfig | None = None, *, sessions: Sequence | None = None,
                  capacity_factor: int = 1,
                  progress: Callable[[int], None] | None = None) -> FleetResult:
     """Route ``inp`` (up to ``cfg.limit`` requests) over ``replicas`` cache stacks of
     ``cfg``'s L1/L2 budgets (x ``capacity_factor``) sharing one L3 of ``cfg.l3_tokens``
     (0: none, -1: unbounded). ``sessions``: a session key per request, when the trace has
-    them."""
+    them (ints, strings or bytes)."""
     rc = rc or RouterConfig()
     rc.check()
     if not 1 <= replicas <= MAX_REPLICAS:
