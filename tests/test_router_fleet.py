@@ -173,3 +173,23 @@ def test_bench_replicas_bad_input(args, needle):
     r = CliRunner().invoke(app, ["bench", *args])
     assert r.exit_code == 2, r.output
     assert needle in r.output and "Traceback" not in r.output
+
+
+def test_bench_run_through_the_router_reports_each_replica(fleet):
+    import json
+
+    from typer.testing import CliRunner
+
+    from hicache_cli.app import app
+
+    urls, router = fleet
+    r = CliRunner().invoke(app, ["bench", "run", "--url", router["round_robin"], "-w",
+                                 "multiturn", "--num-clients", "2", "--num-rounds", "2",
+                                 "--request-length", "32", "--max-tokens", "2",
+                                 "--format", "json"])
+    assert r.exit_code == 0, r.output
+    fig = json.loads(r.stdout)["per_replica"]
+    assert sorted(x["url"] for x in fig["replicas"]) == sorted(urls)
+    assert all(x["answered"] for x in fig["replicas"])
+    assert [x["requests"] for x in fig["replicas"]] == [2, 2]       # round-robin: 2 each
+    assert sum(x["prompt_tokens"] for x in fig["replicas"]) > 0

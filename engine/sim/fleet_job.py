@@ -68,7 +68,7 @@ def _free_port() -> int:
 def router(urls: list[str], policy: str, extra: list[str] | None = None) -> Iterator[str]:
     """SGLang's router over ``urls`` on a free 127.0.0.1 port, ready (every worker healthy);
     always stopped. ``extra``: more router options (``["--cache-threshold", "0.5"]``)."""
-    import requests
+    from engine.loadgen.replicas import router_workers
 
     port = _free_port()
     log = tempfile.TemporaryFile(mode="w+")
@@ -87,12 +87,9 @@ def router(urls: list[str], policy: str, extra: list[str] | None = None) -> Iter
                 tail = [ln for ln in log.read().splitlines() if ln.strip()][-1:]
                 raise RouterError(f"the {policy} router exited {proc.returncode}: "
                                   f"{tail[0][:200] if tail else 'no output'}")
-            try:
-                ws = requests.get(url + "/workers", timeout=2).json().get("workers", [])
-                if len(ws) == len(urls) and all(w.get("is_healthy") for w in ws):
-                    break
-            except (requests.RequestException, ValueError, AttributeError):
-                pass
+            ws = router_workers(url, timeout=2)
+            if len(ws) == len(urls) and all(w.get("is_healthy") for w in ws):
+                break
             if time.monotonic() > deadline:
                 raise RouterError(f"the {policy} router did not register its {len(urls)} "
                                   f"replicas in {ROUTER_START_S:.0f} s")
@@ -110,12 +107,9 @@ def router(urls: list[str], policy: str, extra: list[str] | None = None) -> Iter
 
 
 def _computed(url: str) -> float:
-    import requests
+    from engine.loadgen.replicas import replica_counters
 
-    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("hicache_computed_prompt_tokens_total"):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return (replica_counters(url) or {}).get("computed_tokens", 0.0)
 
 
 def _plain(wl, lc: LoadConfig, label: str) -> LoadResult:
