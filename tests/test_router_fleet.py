@@ -4,6 +4,7 @@ that holds it; round_robin sends it to the other one, which still finds it in th
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import subprocess
@@ -193,3 +194,36 @@ def test_bench_run_through_the_router_reports_each_replica(fleet):
     assert all(x["answered"] for x in fig["replicas"])
     assert [x["requests"] for x in fig["replicas"]] == [2, 2]       # round-robin: 2 each
     assert sum(x["prompt_tokens"] for x in fig["replicas"]) > 0
+
+
+def test_a_router_that_dies_mid_run_ends_the_run_with_errors(fleet, tmp_path):
+    # The run reports the failed requests and finishes; nothing hangs.
+    import threading
+
+    from typer.testing import CliRunner
+
+    from hicache_cli.app import app
+
+    urls, _ = fleet
+    with open(tmp_path / "router.log", "w") as log:
+        proc, url = _router(urls, "round_robin", log)
+        try:
+            _ready(proc, url, tmp_path / "router.log")
+            threading.Timer(1.5, proc.kill).start()
+            t0 = time.monotonic()
+            r = CliRunner().invoke(app, ["bench", "run", "--url", url, "-w", "multiturn",
+                                         "--num-clients", "2", "--num-rounds", "40",
+                                         "--request-length", "16", "--max-tokens", "2",
+                                         "--timeout", "20", "--format", "json"])
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    assert time.monotonic() - t0 < 60
+    assert r.exit_code in (0, 1), r.output
+    assert "Traceback" not in r.output
+    d = json.loads(r.stdout) if r.exit_code == 0 else None
+    if d is not None:
+        assert d["requests"]["failed"] > 0 and d["requests"]["ok"] > 0
+    else:
+        assert "requests failed" in r.output or "failed" in r.output
