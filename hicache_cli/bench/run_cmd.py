@@ -154,8 +154,14 @@ def run(
                          timeout=timeout, seed=seed)
     if output:
         check_output_path(output)
+    from engine.loadgen import replicas
+
+    workers = [w["url"] for w in replicas.router_workers(cfg.url)]   # [] unless a router
+    before = replicas.snapshot(workers)
     result = run_with_progress(wl, cfg)
     rep = summarize_result(result)
+    if workers:
+        rep["per_replica"] = replicas.per_replica(before, replicas.snapshot(workers))
     if output:
         write_parquet(result, output)
     _report(wl, cfg.url, rep, fmt, output, len(result.records))
@@ -167,12 +173,27 @@ def _report(wl: Workload, url: str, rep: dict, fmt: OutputFormat, output: Option
         emit_json({**rep, "url": url, "output": output})
     else:
         stdout.print(report_table([(wl.name, rep)], title=f"{wl.name} against {url}"))
+        if rep.get("per_replica"):
+            _print_replicas(rep["per_replica"])
         if rep["first_error"] and rep["requests"]["ok"]:
             stderr.print(f"first error: {rep['first_error']}")
         if output:
             stderr.print(f"wrote {rows} rows to {output}")
     if rows and rep["requests"]["ok"] == 0:
         fail(f"all {rep['requests']['sent']} requests failed ({rep['first_error']})")
+
+
+def _print_replicas(fig: dict) -> None:
+    """Per-replica figures of a run through a router (engine.loadgen.replicas)."""
+    for r in fig["replicas"]:
+        if r["answered"]:
+            stdout.print(f"  {r['url']}: {r['requests']} requests, {r['prompt_tokens']} prompt "
+                         f"tokens, {r['computed_tokens']} computed, hit rate "
+                         f"{100 * r['hit_rate']:.1f}%", highlight=False)
+        else:
+            stdout.print(f"  {r['url']}: no hicache counters", highlight=False)
+    stdout.print(f"load spread over the replicas (max / mean computed): {fig['load_spread']:.2f}",
+                 highlight=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -395,7 +395,31 @@ async def dump_tree(request: web.Request) -> web.Response:
                         headers={"Content-Disposition": 'attachment; filename="tree.snapshot"'})
 
 
+class _OneLineBadRequests(logging.Filter):
+    """aiohttp answers bytes that are not an HTTP/1 request with a 400 and logs a traceback at
+    ERROR; SGLang's router opens every worker with an HTTP/2 preface (looking for gRPC ones), so
+    make that one INFO line: the 400 is the answer, nothing failed."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import BadHttpMessage
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, BadHttpMessage):
+            why = (exc.message or "").strip().splitlines()
+            peer = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+            record.msg = (f"not an HTTP/1 request from {peer} (an HTTP/2 or gRPC probe?): "
+                          f"answered 400 ({why[0].rstrip(':') if why else 'bad request'})")
+            record.args = ()
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+_BAD_REQUESTS = _OneLineBadRequests()
+
+
 def make_app(engine: Engine) -> web.Application:
+    logging.getLogger("aiohttp.server").addFilter(_BAD_REQUESTS)   # once: a set of filters
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors])
     app[ENGINE_KEY] = engine
     app[_SLOTS_KEY] = asyncio.Semaphore(BODY_SLOTS)

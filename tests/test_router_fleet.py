@@ -1,0 +1,229 @@
+"""Two hicache replicas sharing a file L3 behind SGLang's own router (PyPI ``sglang-router``, the
+``fleet`` extra; installed by ``make``): cache_aware sends a repeated prompt back to the replica
+that holds it; round_robin sends it to the other one, which still finds it in the shared L3."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from engine.runtime.launch import ServerConfig, start_server
+
+PAGE = 16
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _router(urls: list[str], policy: str, log) -> tuple[subprocess.Popen, str]:
+    port = _port()
+    proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router",
+                             "--worker-urls", *urls, "--policy", policy, "--host", "127.0.0.1",
+                             "--port", str(port), "--prometheus-host", "127.0.0.1",
+                             "--prometheus-port", str(_port()), "--log-level", "warn"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _ready(proc: subprocess.Popen, url: str, log_path) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"router exited: {log_path.read_text()[-2000:]}"
+        try:
+            workers = requests.get(url + "/workers", timeout=2).json()["workers"]
+            if len(workers) == 2 and all(w.get("is_healthy") for w in workers):
+                return
+        except (requests.RequestException, ValueError, KeyError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"router not ready: {log_path.read_text()[-2000:]}")
+
+
+def _generate(url: str, text: str) -> dict:
+    r = requests.post(url + "/generate", timeout=120, json={
+        "text": text, "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    assert r.status_code == 200, r.text
+    return r.json()["meta_info"]
+
+
+def _puts(urls: list[str]) -> float:
+    total = 0.0
+    for u in urls:
+        for line in requests.get(u + "/metrics", timeout=30).text.splitlines():
+            if line.startswith('hicache_l3_pages_total{outcome="puts"}'):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    pytest.importorskip("sglang_router", reason="the fleet extra (sglang-router) is not "
+                                                "installed")
+    store = tmp_path_factory.mktemp("l3")
+    logs = tmp_path_factory.mktemp("router")
+    cfg = dict(port=0, l1_tokens=2048, l2_tokens=4096, page_size=PAGE,
+               hicache_storage_backend="file", hicache_storage_dir=str(store),
+               hicache_storage_prefetch_policy="wait_complete")
+    with start_server(ServerConfig(**cfg)) as a, start_server(ServerConfig(**cfg)) as b:
+        urls = [a.url, b.url]
+        routers = {}
+        files = []
+        try:
+            for policy in ("cache_aware", "round_robin"):     # both start at once
+                path = logs / f"{policy}.log"
+                files.append(open(path, "w"))
+                routers[policy] = (*_router(urls, policy, files[-1]), path)
+            for proc, url, path in routers.values():
+                _ready(proc, url, path)
+            yield urls, {k: v[1] for k, v in routers.items()}
+        finally:
+            for proc, _, _ in routers.values():
+                proc.terminate()
+            for proc, _, _ in routers.values():
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            for f in files:
+                f.close()
+
+
+def test_cache_aware_routes_the_repeat_to_the_replica_that_has_it(fleet):
+    _, router = fleet
+    text = "cache-aware routing keeps a session's prefix where it was computed. " * 5
+    first = _generate(router["cache_aware"], text)
+    assert first["cached_tokens"] == 0
+    second = _generate(router["cache_aware"], text)
+    d = second["cached_tokens_details"]
+    full = first["prompt_tokens"] // PAGE * PAGE
+    assert d["device"] >= full - PAGE and d["storage"] == 0, second
+    assert second["cached_tokens"] == d["device"] + d["host"] + d["storage"]
+
+
+def test_round_robin_moves_the_repeat_and_the_shared_l3_still_hits(fleet):
+    urls, router = fleet
+    text = "round-robin spreads a session over replicas; the shared store remembers it. " * 5
+    before = _puts(urls)
+    first = _generate(router["round_robin"], text)
+    assert first["cached_tokens"] == 0
+    pages = first["prompt_tokens"] // PAGE
+    deadline = time.monotonic() + 30           # the backup to L3 is written behind the request
+    while _puts(urls) < before + pages - 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    second = _generate(router["round_robin"], text)
+    d = second["cached_tokens_details"]
+    assert d["device"] == 0 and d["host"] == 0, f"landed on the same replica: {second}"
+    assert d["storage"] >= (pages - 1) * PAGE, second
+
+
+def test_the_routers_http2_probe_is_a_400_and_one_log_line(caplog):
+    # sglang-router opens every worker with an HTTP/2 preface (looking for gRPC workers).
+    with start_server(ServerConfig(port=0, l1_tokens=1024)) as s:
+        host, port = s.url.rsplit("/", 1)[1].rsplit(":", 1)
+        with caplog.at_level(logging.INFO, logger="aiohttp.server"), \
+                socket.create_connection((host, int(port)), timeout=10) as c:
+            c.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x18\x04\x00\x00\x00\x00\x00")
+            reply = c.recv(64)
+            time.sleep(0.2)
+    assert reply.startswith(b"HTTP/1.0 400") or reply.startswith(b"HTTP/1.1 400"), reply
+    records = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert records and all(r.exc_info is None and "\n" not in r.getMessage() for r in records)
+    assert "answered 400" in records[0].getMessage()
+    assert all(r.levelno == logging.INFO for r in records)
+
+
+def test_bench_replicas_runs_both_policies_side_by_side():
+    pytest.importorskip("sglang_router", reason="the fleet extra (sglang-router) is not "
+                                                "installed")
+    import json
+
+    from typer.testing import CliRunner
+
+    from hicache_cli.app import app
+
+    r = CliRunner().invoke(app, ["bench", "--replicas", "2", "--num-clients", "2",
+                                 "--num-rounds", "3", "--format", "json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert list(d["runs"]) == ["round_robin", "cache_aware"] and d["replicas"] == 2
+    for run in d["runs"].values():
+        assert run["requests"]["ok"] == 6 and run["requests"]["failed"] == 0
+        computed = run["replicas"]["computed_prompt_tokens"]
+        assert len(computed) == 2 and sum(computed) > 0
+    assert d["runs"]["round_robin"]["replicas"]["load_spread"] < 1.5   # both replicas worked
+
+
+@pytest.mark.parametrize("args,needle", [(["--replicas", "1"], "--replicas must be >= 2"),
+                                         (["--replicas", "2", "--router", "nearest"],
+                                          "unknown policy 'nearest'")])
+def test_bench_replicas_bad_input(args, needle):
+    from typer.testing import CliRunner
+
+    from hicache_cli.app import app
+
+    r = CliRunner().invoke(app, ["bench", *args])
+    assert r.exit_code == 2, r.output
+    assert needle in r.output and "Traceback" not in r.output
+
+
+def test_bench_run_through_the_router_reports_each_replica(fleet):
+    import json
+
+    from typer.testing import CliRunner
+
+    from hicache_cli.app import app
+
+    urls, router = fleet
+    r = CliRunner().invoke(app, ["bench", "run", "--url", router["round_robin"], "-w",
+                                 "multiturn", "--num-clients", "2", "--num-rounds", "2",
+                                 "--request-length", "32", "--max-tokens", "2",
+                                 "--format", "json"])
+    assert r.exit_code == 0, r.output
+    fig = json.loads(r.stdout)["per_replica"]
+    assert sorted(x["url"] for x in fig["replicas"]) == sorted(urls)
+    assert all(x["answered"] for x in fig["replicas"])
+    assert [x["requests"] for x in fig["replicas"]] == [2, 2]       # round-robin: 2 each
+    assert sum(x["prompt_tokens"] for x in fig["replicas"]) > 0
+
+
+def test_a_router_that_dies_mid_run_ends_the_run_with_errors(fleet, tmp_path):
+    # The run reports the failed requests and finishes; nothing hangs.
+    import threading
+
+    from typer.testing import CliRunner
+
+    from hicache_cli.app import app
+
+    urls, _ = fleet
+    with open(tmp_path / "router.log", "w") as log:
+        proc, url = _router(urls, "round_robin", log)
+        try:
+            _ready(proc, url, tmp_path / "router.log")
+            threading.Timer(1.5, proc.kill).start()
+            t0 = time.monotonic()
+            r = CliRunner().invoke(app, ["bench", "run", "--url", url, "-w", "multiturn",
+                                         "--num-clients", "2", "--num-rounds", "40",
+                                         "--request-length", "16", "--max-tokens", "2",
+                                         "--timeout", "20", "--format", "json"])
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    assert time.monotonic() - t0 < 60
+    assert r.exit_code in (0, 1), r.output
+    assert "Traceback" not in r.output
+    d = json.loads(r.stdout) if r.exit_code == 0 else None
+    if d is not None:
+        assert d["requests"]["failed"] > 0 and d["requests"]["ok"] > 0
+    else:
+        assert "requests failed" in r.output or "failed" in r.output
