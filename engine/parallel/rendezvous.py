@@ -174,17 +174,12 @@ class Rendezvous:
         import torch.distributed as dist
 
         host = split_addr(self.addr)[0]
-        before = os.environ.get("GLOO_SOCKET_IFNAME")
-        use_interface(host)
-        try:
-            store = self.store(timeout_s)
-            if nnodes > 1:
-                check_advertised(store, rank, world, nnodes, host, timeout_s)
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
-        finally:      # gloo has read it: the processes this one starts later pick their own
-            if before is None:
-                os.environ.pop("GLOO_SOCKET_IFNAME", None)
+        use_interface(host)   # stays set: gloo reads it again for every group made later
+        store = self.store(timeout_s)
+        if nnodes > 1:
+            check_advertised(store, rank, world, nnodes, host, timeout_s)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
 
     def close(self) -> None:
         if self._sock is not None:
