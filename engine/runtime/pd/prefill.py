@@ -26,27 +26,11 @@ from typing import Any
 import numpy as np
 
 from engine.core.namespace import from_wire
+from engine.runtime.config import parse_fault
 from engine.runtime.model import Chunk
 from engine.runtime.pd.link import TAG_REPLY, TAG_REQUEST, LinkError, PDLink
 
 log = logging.getLogger("hicache.pd")
-
-
-def parse_fault(spec: str | None) -> dict[str, float]:
-    """Debug fault injection for tests: ``die-after-layers:N`` (the worker exits after sending
-    N layers in all) or ``delay:S`` (sleep S seconds before the first request's first layer).
-    """
-    if not spec:
-        return {}
-    kind, _, val = spec.partition(":")
-    try:
-        v = float(val)
-    except ValueError:
-        v = -1.0
-    if kind not in ("die-after-layers", "delay") or v < 0:
-        raise ValueError(f"--pd-inject-fault: expected die-after-layers:N or delay:SECONDS, "
-                         f"got {spec!r}")
-    return {kind: v}
 
 
 class PrefillWorker:
