@@ -26,26 +26,20 @@ failed), and :func:`copy_path` returns the same text.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shlex
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
 from pathlib import Path
 
 import numpy as np
+
+from engine.core import native
 
 log = logging.getLogger("hicache.transfer")
 
 ENV = "HICACHE_NATIVE_COPY"
 _SOURCE = Path(__file__).with_name("native") / "copyruns.c"
 _FLAGS = ["-O2", "-shared", "-fPIC"]
-_BUILD_TIMEOUT_S = 120
 
 _lock = threading.Lock()
 _fn = None            # the C function once loaded, False when the Python loop is chosen
@@ -119,89 +113,20 @@ def _choose():
     try:
         fn, where = _load()
     except Exception as exc:  # any failure falls back; the reason is reported, never raised
-        level = logging.INFO if _compiler() is None else logging.WARNING
+        level = logging.INFO if native.compiler() is None else logging.WARNING
         return False, f"python (native copy unavailable: {exc})", level
     return fn, f"native ({where})", logging.INFO
 
 
 def _load():
-    """Load the library from the first usable cache directory, building it there if it is
-    missing (or does not load): the compiler is needed only to build."""
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(_FLAGS + [platform.machine(), sys.platform])
-                         .encode()).hexdigest()[:16]
-    errors = []
-    for d in _cache_dirs():
-        so = d / f"copyruns-{key}.so"
-        try:
-            lib = _open(so, source)
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            errors.append(str(exc) if "no C compiler" in str(exc) else f"{d}: {exc}")
-            continue
-        fn = lib.hicache_copy_chunks
-        fn.restype = ctypes.c_int64
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
-        _self_test(fn)
-        stores = "streaming stores" if lib.hicache_copy_features() else "memmove only"
-        return fn, f"{so}, {stores}"
-    raise RuntimeError("; ".join(dict.fromkeys(errors)) or "no writable cache directory")
-
-
-def _open(so: Path, source: bytes) -> ctypes.CDLL:
-    if so.exists():
-        try:
-            return ctypes.CDLL(str(so))
-        except OSError:                      # not loadable here: build it afresh
-            pass
-    cc = _compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler: set CC or install gcc")
-    _compile(cc, source, so)
-    return ctypes.CDLL(str(so))
-
-
-def _compiler() -> "list[str] | None":
-    if os.environ.get("CC"):
-        cmd = shlex.split(os.environ["CC"])
-        return cmd if cmd and shutil.which(cmd[0]) else None
-    for name in ("cc", "gcc", "clang"):
-        path = shutil.which(name)
-        if path:
-            return [path]
-    return None
-
-
-def _cache_dirs() -> list[Path]:
-    """The per-user cache directory, then a private one under the temp directory. A directory
-    is used only if it is ours and not writable by others (we load code from it)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    out = []
-    for d in (Path(base) / "hicache", Path(tempfile.gettempdir()) / f"hicache-{os.getuid()}"):
-        try:
-            d.mkdir(parents=True, exist_ok=True, mode=0o700)
-            st = d.stat()
-        except OSError:
-            continue
-        if st.st_uid == os.getuid() and not st.st_mode & 0o022 and os.access(d, os.W_OK):
-            out.append(d)
-    return out
-
-
-def _compile(cc: list[str], source: bytes, so: Path) -> None:
-    """Compile ``source`` (read from stdin) to ``so`` atomically: a temporary file in the same
-    directory, renamed over ``so`` once complete."""
-    fd, tmp = tempfile.mkstemp(prefix=".copyruns-", suffix=".so", dir=so.parent)
-    os.close(fd)
-    try:
-        res = subprocess.run(cc + _FLAGS + ["-x", "c", "-o", tmp, "-"], input=source,
-                             capture_output=True, timeout=_BUILD_TIMEOUT_S)
-        if res.returncode != 0:
-            msg = res.stderr.decode(errors="replace").strip().splitlines()
-            raise RuntimeError(f"{cc[0]} failed: {msg[-1] if msg else res.returncode}")
-        os.replace(tmp, so)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    """Load the library (built on first use: engine.core.native), self-tested."""
+    lib, so = native.load(_SOURCE, _FLAGS)
+    fn = lib.hicache_copy_chunks
+    fn.restype = ctypes.c_int64
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
+    _self_test(fn)
+    stores = "streaming stores" if lib.hicache_copy_features() else "memmove only"
+    return fn, f"{so}, {stores}"
 
 
 def _self_test(fn) -> None:

@@ -18,24 +18,21 @@ every product); no compiler or a failed build does the same, logged once.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 import platform
-import subprocess
-import sys
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
+
+from engine.core import native
 
 log = logging.getLogger("hicache.model")
 
 ENV = "HICACHE_EXACT_NATIVE"
 _SOURCE = Path(__file__).with_name("native") / "rowdot.c"
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-pthread"]
-_BUILD_TIMEOUT_S = 120
 
 _lock = threading.Lock()
 _state: dict = {}          # "fn": the C function or False; "what": a line for reports
@@ -122,27 +119,9 @@ def _cpu_flags() -> str:
 
 
 def load_library(source_path: Path) -> "tuple[ctypes.CDLL, Path]":
-    """``source_path`` (a C file of ``native/``) built for this machine, loaded: from the
-    first usable cache directory, compiled there if missing (the compiler is needed only
-    to build)."""
-    from engine.cache.hostcopy import _cache_dirs, _compiler
-
-    source = source_path.read_bytes()
-    key = hashlib.sha256(source + " ".join(_FLAGS + [platform.machine(), sys.platform,
-                                                     _cpu_flags()]).encode()).hexdigest()[:16]
-    errors = []
-    for d in _cache_dirs():
-        so = d / f"{source_path.stem}-{key}.so"
-        try:
-            if not so.exists():
-                cc = _compiler()
-                if cc is None:
-                    raise RuntimeError("no C compiler: set CC or install gcc")
-                _compile(cc, source, so)
-            return ctypes.CDLL(str(so)), so
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            errors.append(str(exc) if "no C compiler" in str(exc) else f"{d}: {exc}")
-    raise RuntimeError("; ".join(dict.fromkeys(errors)) or "no writable cache directory")
+    """``source_path`` (a C file of ``native/``) built for this machine and loaded
+    (engine.core.native; the CPU's features are part of the build's key: -march=native)."""
+    return native.load(source_path, _FLAGS, key_extra=_cpu_flags(), libs=("-lm",))
 
 
 def _load():
@@ -155,21 +134,6 @@ def _load():
     _self_test(fn)
     simd = "AVX-512" if lib.hicache_rowdot_features() else "portable"
     return fn, f"{so.name}, {simd}"
-
-
-def _compile(cc: list[str], source: bytes, so: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{so.stem}-", suffix=".so", dir=so.parent)
-    os.close(fd)
-    try:
-        res = subprocess.run(cc + _FLAGS + ["-x", "c", "-o", tmp, "-", "-lm"], input=source,
-                             capture_output=True, timeout=_BUILD_TIMEOUT_S)
-        if res.returncode != 0:
-            msg = res.stderr.decode(errors="replace").strip().splitlines()
-            raise RuntimeError(f"{cc[0]} failed: {msg[-1] if msg else res.returncode}")
-        os.replace(tmp, so)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _self_test(fn) -> None:
