@@ -132,6 +132,7 @@ def test_unguarded_the_online_check_stops_in_one_line_and_the_logs_name_it(tmp_p
         h.stop()
     assert errors, "the divergence went unnoticed"
     assert "stopped before a hang: rank consensus lost" in errors[0], errors[0]
+    assert "while serving request " in errors[0], errors[0]      # the trigger, named
     import re
 
     online = re.search(r"since the last agreement\): (\w+): rank", errors[0]).group(1)

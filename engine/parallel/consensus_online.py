@@ -51,6 +51,7 @@ class RankConsensusError(HiCacheError):
         super().__init__(message)
         self.step, self.seq, self.kind, self.category = step, seq, kind, category
         self.ranks, self.log_dir = ranks, log_dir
+        self.rid: Any = None          # the request being served when they diverged
 
 
 def consensus_group(rank: RankInfo, *, timeout_s: float = 600.0) -> Any:
@@ -98,6 +99,7 @@ class OnlineConsensus:
         self.log, self.group, self.every = log, group, every
         self.log_dir, self.log_suffix = log_dir, log_suffix
         self.checks = 0
+        self._agreed_rid: Any = None
         self._pack = event_packer().pack
         self._digests: list[int] = []      # one per event since the last agreement
         self._events: list[dict] = []      # those events (named on divergence, written if the
@@ -126,6 +128,7 @@ class OnlineConsensus:
         mine = torch.tensor([n, h], dtype=torch.int64)
         everyone = self._gather(mine)
         if all(torch.equal(t, everyone[0]) for t in everyone[1:]):
+            self._agreed_rid = self._trigger(len(self._events) - 1)
             self._digests.clear()
             self._events.clear()
             self._hash = hashlib.blake2b(digest_size=8)
@@ -209,12 +212,24 @@ class OnlineConsensus:
             e = events[ranks.index(members[0])]
             parts.append(f"{'rank' if len(members) == 1 else 'ranks'} "
                          f"{', '.join(map(str, members))} recorded {show(e)}")
+        rid = self._trigger(index)
         message = (f"rank consensus lost at step {ref.get('step')}, seq {ref.get('seq')} "
                    f"(event {index} since the last agreement): {category}: "
                    + "; ".join(parts)
                    + f" where {'rank' if len(majority) == 1 else 'ranks'} "
-                     f"{', '.join(map(str, majority))} recorded {show(ref)}. "
-                   f"Rank logs written to {log_dir}; run `hicache consensus-check {log_dir}`")
-        return RankConsensusError(message, step=ref.get("step"), seq=ref.get("seq"),
-                                  kind=ref.get("kind"), category=category, ranks=minority,
-                                  log_dir=log_dir)
+                     f"{', '.join(map(str, majority))} recorded {show(ref)}"
+                   + (f", while serving request {rid}" if rid is not None else "")
+                   + f". Rank logs written to {log_dir}; run `hicache consensus-check {log_dir}`")
+        err = RankConsensusError(message, step=ref.get("step"), seq=ref.get("seq"),
+                                 kind=ref.get("kind"), category=category, ranks=minority,
+                                 log_dir=log_dir)
+        err.rid = rid
+        return err
+
+    def _trigger(self, index: int) -> Any:
+        """The request the ranks were serving when they diverged: the last request id among
+        the events up to the first divergent one (those before it agree on every rank)."""
+        for ev in reversed(self._events[:index + 1]):
+            if ev.get("rid") is not None:
+                return ev["rid"]
+        return self._agreed_rid      # the last one of the windows that agreed
