@@ -32,6 +32,10 @@ CASES = {
     "capacity-pp2": ("capacity@1", dict(pp=2), CAPACITY),
     "prefetch-count-tp2": ("prefetch-count@1", dict(tp=2), ("hit_length_mismatch",
                                                             "event_mismatch")),
+    "clock-tp2": ("clock@1", dict(tp=2), ("hit_length_mismatch", "event_mismatch",
+                                          "restore_completion_mismatch", "missing_events")),
+    "host-alloc-tp2": ("host-alloc@1", dict(tp=2), ("hit_length_mismatch", "event_mismatch",
+                                                    "missing_events")),
     "ack-order-tp2": ("ack-order@1", dict(tp=2), ("restore_completion_mismatch",
                                                   "missing_events")),
     "ack-order-pp2": ("ack-order@1", dict(pp=2), ("pp_ack_consumption_mismatch",
@@ -44,11 +48,15 @@ def _cfg(tmp_path, **kw) -> ServerConfig:
                         collective_timeout_s=60, **kw)
 
 
+L3_CLASSES = ("prefetch-count", "clock", "host-alloc")
+
+
 def _storage(tmp_path, name: str, spec: str) -> dict:
-    if not spec.startswith("prefetch-count"):
+    if not spec.startswith(L3_CLASSES):
         return {}
     return dict(hicache_storage_backend="file", hicache_storage_dir=str(tmp_path / name),
-                hicache_storage_prefetch_policy="wait_complete")
+                hicache_storage_prefetch_policy="timeout" if spec.startswith("clock")
+                else "wait_complete", hicache_storage_prefetch_timeout=30.0)
 
 
 def _script(url: str, twice: bool) -> list:
@@ -88,7 +96,7 @@ def _consistent(log_dir) -> dict:
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_agreement_keeps_every_rank_equal(one_process, tmp_path, case):
     spec, shape, _ = CASES[case]
-    l3 = spec.startswith("prefetch-count")
+    l3 = spec.startswith(L3_CLASSES)
     h = start_server(_cfg(tmp_path, rank_log_dir=str(tmp_path / "logs"), debug_diverge=spec,
                           consensus_check="online", **shape, **_storage(tmp_path, "l3", spec)))
     try:
@@ -108,7 +116,7 @@ def test_unguarded_the_online_check_stops_in_one_line_and_the_logs_name_it(tmp_p
     import requests
 
     spec, shape, category = CASES[case]
-    l3 = spec.startswith("prefetch-count")
+    l3 = spec.startswith(L3_CLASSES)
     logs = tmp_path / "logs"
     h = start_server(_cfg(tmp_path, rank_log_dir=str(logs), debug_diverge=spec + ",unguarded",
                           consensus_check="online", consensus_every=1, **shape,

@@ -220,6 +220,10 @@ class L3Tier:
         # ``poll(limit)`` consumes it at the step pp_sync names, so all stages see the same
         # L3 hit lengths whatever their own copy speed.
         self.ordered = False
+        # Debug hooks of a divergence injector (engine.runtime.ranks.diverge), on one rank: the
+        # clock that times a prefetch, and a cap on the L2 pages a prefetch may get.
+        self.clock: Callable[[], float] = time.monotonic
+        self.alloc_cap: Callable[[int], int] | None = None
 
     # -- jobs ----------------------------------------------------------------------------------
     def hashes(self, tokens: np.ndarray, namespace: Namespace | str | None,
@@ -246,7 +250,7 @@ class L3Tier:
         if self.policy is PrefetchPolicy.WAIT_COMPLETE:
             job.event.wait()
             return True
-        spent = 0.0 if started is None else time.monotonic() - started
+        spent = 0.0 if started is None else self.clock() - started
         # a timer past threading's limit (1e308 s, say) raises OverflowError: clamp it
         return job.event.wait(min(max(0.0, self.timeout - spent), threading.TIMEOUT_MAX))
 
@@ -306,7 +310,7 @@ class L3Tier:
         if any(j.kind == "get" and j.hashes[:1] == hashes[start:start + 1]
                for j in self.inflight):
             return 0                       # already on its way (an earlier request's fetch)
-        started = time.monotonic()
+        started = self.clock()
         n3 = self.exists_prefix(hashes[start:])
         if self._agree is not None:        # the pages every rank's store holds
             n3 = self._agree([n3])[0]
@@ -316,6 +320,11 @@ class L3Tier:
         parent = path[-1] if path else self._tree.root(namespace)
         self._pin(parent, +1)
         pages = self._place(path, n3) if self._place is not None else self._alloc_l2(n3)
+        if self._agree is not None and self._place is None:   # TP: the pages every rank got
+            m = self._agree([len(pages)])[0]
+            if m < len(pages):
+                self._l2_alloc.free(pages[m:])
+                pages = pages[:m]
         n = len(pages)
         if n == 0:
             self._pin(parent, -1)
@@ -347,6 +356,8 @@ class L3Tier:
         if short > 0:
             self._evict_l2(short)
         n = min(n, alloc.free_pages)
+        if self.alloc_cap is not None:
+            n = min(n, self.alloc_cap(n))
         return alloc.alloc(n) if n else np.empty(0, dtype=np.int64)
 
     def _commit(self, job: Job):

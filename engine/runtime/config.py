@@ -117,14 +117,18 @@ class Diverge:
     unguarded: bool = False
 
 
-DIVERGE_CLASSES = ("capacity", "prefetch-count", "ack-order")
+DIVERGE_CLASSES = ("capacity", "prefetch-count", "ack-order", "clock", "host-alloc")
 # the shapes each class applies to (a class needs ranks that make the same decision)
 DIVERGE_SHAPES = {"capacity": lambda c: c.ranks * c.pp > 1,
                   "prefetch-count": lambda c: c.tp > 1 and c.hicache_storage_backend is not None,
-                  "ack-order": lambda c: c.ranks * c.pp > 1}
+                  "ack-order": lambda c: c.ranks * c.pp > 1,
+                  "clock": lambda c: c.tp > 1 and c.hicache_storage_backend is not None,
+                  "host-alloc": lambda c: c.tp > 1 and c.hicache_storage_backend is not None}
 DIVERGE_NEEDS = {"capacity": "needs --tp, --cp or --pp > 1",
                  "prefetch-count": "needs --tp > 1 and an L3 store (--hicache-storage-backend)",
-                 "ack-order": "needs --tp, --cp or --pp > 1"}
+                 "ack-order": "needs --tp, --cp or --pp > 1",
+                 "clock": "needs --tp > 1 and an L3 store (--hicache-storage-backend)",
+                 "host-alloc": "needs --tp > 1 and an L3 store (--hicache-storage-backend)"}
 
 
 def parse_diverge(spec: str) -> Diverge:

@@ -259,8 +259,9 @@ ConsensusEvery = Annotated[int, _O("--consensus-every", field="consensus_every",
                                    help="Steps between two online comparisons.")]
 DebugDiverge = Annotated[Optional[str], _O(
     "--debug-diverge", field="debug_diverge", metavar="CLASS@RANK[:AFTER][,unguarded]",
-    help="Debug: drive one rank into a divergence class (capacity, prefetch-count, ack-order; "
-    "docs/parallelism.md); unguarded also turns off the agreement that prevents it.")]
+    help="Debug: drive one rank into a divergence class (capacity, prefetch-count, ack-order, "
+    "clock, host-alloc; docs/parallelism.md); unguarded also turns off the agreement that "
+    "prevents it.")]
 
 # Parameters of serve_cmd that are not ServerConfig fields (every other one is, by name).
 CLI_ONLY = frozenset({"ctx", "dump_tree_on_exit", "log_level", "fmt"})

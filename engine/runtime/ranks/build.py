@@ -34,7 +34,14 @@ from engine.runtime.config import ServerConfig, delay_for
 from engine.runtime.model import Model, load_model
 from engine.runtime.model.fingerprint import weights_digest
 from engine.runtime.model_id import model_tag
-from engine.runtime.ranks.diverge import agreed_capacity, apply_to_cache, diverge_of, pp_sync_on, wrap_store
+from engine.runtime.ranks.diverge import (
+    agreed_capacity,
+    apply_to_cache,
+    apply_to_l3,
+    diverge_of,
+    pp_sync_on,
+    wrap_store,
+)
 from engine.runtime.ranks.groups import RankGroups, cut_groups, rank_device, reduce_backend, share_cores
 from engine.runtime.ranks.lockstep import LockstepScheduler
 from engine.runtime.ranks.pipeline import PipelineScheduler, stage_model
@@ -181,6 +188,7 @@ def build_rank(cfg: ServerConfig, topo: Topology, rendezvous: Any = None,
         if cfg.hicache_storage_backend is not None or \
                 cfg.hicache_storage_backend_config is not None:
             attach_storage(rank, layout)
+            apply_to_l3(cache, topo, dv)
         rank.scheduler = make_scheduler(rank, groups, health,
                                         None if remote is None else remote(cache), spec)
     except BaseException:

@@ -13,6 +13,12 @@ classes", lists each class, where it comes from in real deployments and what pre
   transfers to commit. Prevented by agreed commit counts (pp_sync's ACKs across stages, the TP
   group's minimum inside one).
 
+* ``clock`` — one TP rank's clock runs fast (1000×), so under the ``timeout`` prefetch policy
+  its L3 fetches time out where its peers' complete. Prevented by the agreed prefetch outcome
+  (a fetch is committed only where every rank has it; the others treat it as a miss).
+* ``host-alloc`` — one TP rank's L2 allocation for an L3 prefetch fails. Prevented by the
+  agreed page count (the minimum; the surplus is freed on the ranks that got more).
+
 ``unguarded`` turns the class's agreement off on every rank, so the divergence happens and the
 online check (or ``hicache consensus-check`` on the logs) can be shown naming it.
 """
@@ -77,8 +83,31 @@ def apply_to_cache(cache: Any, topo: Topology, dv: Diverge | None) -> None:
         return
     if dv.cls == "ack-order" and dv.rank == topo.rank:
         cache.transfers.debug_delay_s = max(cache.transfers.debug_delay_s, DELAY_S)
-    if dv.unguarded and dv.cls in ("prefetch-count", "ack-order") and topo.tp > 1:
+    if dv.unguarded and dv.cls in ("prefetch-count", "ack-order", "clock", "host-alloc") and \
+            topo.tp > 1:
         cache.agreeing = False
+
+
+FAST_CLOCK = 1000.0      # clock: how much faster the diverging rank's clock runs
+
+
+def apply_to_l3(cache: Any, topo: Topology, dv: Diverge | None) -> None:
+    """After the L3 tier is attached: the clock and allocation faults on their rank."""
+    l3 = getattr(cache, "l3", None)
+    if dv is None or l3 is None or dv.rank != topo.rank:
+        return
+    if dv.cls == "clock":
+        import time
+
+        base = time.monotonic()
+        l3.clock = lambda: base + (time.monotonic() - base) * FAST_CLOCK
+    elif dv.cls == "host-alloc":
+        calls = [0]
+
+        def cap(n: int) -> int:
+            calls[0] += 1
+            return 0 if calls[0] > dv.after else n      # the allocation fails
+        l3.alloc_cap = cap
 
 
 def pp_sync_on(cfg: ServerConfig, dv: Diverge | None) -> bool:
