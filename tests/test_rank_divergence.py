@@ -111,40 +111,61 @@ def test_the_agreement_keeps_every_rank_equal(one_process, tmp_path, case):
     assert out["code"] == 0 and out["consistent"] is True, out
 
 
+def _flags(shape: dict, spec: str, tmp_path) -> list[str]:
+    out = [x for k, v in shape.items() for x in (f"--{k}", str(v))]
+    for k, v in _storage(tmp_path, "l3", spec).items():
+        out += [f"--{k.replace('_', '-')}", str(v)]
+    return out
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_unguarded_the_online_check_stops_in_one_line_and_the_logs_name_it(tmp_path, case):
+    """The server runs in its own process (a divergence the check missed could make gloo abort
+    it): the check, before each step's forward, must stop it first."""
+    import re
+    import signal
+
     import requests
+
+    from tests.serve_client import spawn
 
     spec, shape, category = CASES[case]
     l3 = spec.startswith(L3_CLASSES)
     logs = tmp_path / "logs"
-    h = start_server(_cfg(tmp_path, rank_log_dir=str(logs), debug_diverge=spec + ",unguarded",
-                          consensus_check="online", consensus_every=1, **shape,
-                          **_storage(tmp_path, "l3", spec)))
+    err_path = tmp_path / "server.err"
+    with open(err_path, "w") as err:
+        proc, url = spawn(*_flags(shape, spec, tmp_path), "--rank-log-dir", str(logs),
+                          "--debug-diverge", spec + ",unguarded", "--consensus-check", "online",
+                          "--consensus-every", "1", "--collective-timeout", "60", stderr=err)
     errors = []
     try:
         for _round in range(2 if l3 else 1):
             for ids in WORK:
-                r = requests.post(h.url + "/generate", timeout=120, json={
-                    "input_ids": ids, "sampling_params": {"max_new_tokens": 6,
-                                                          "ignore_eos": True}})
+                try:
+                    r = requests.post(url + "/generate", timeout=120, json={
+                        "input_ids": ids, "sampling_params": {"max_new_tokens": 6,
+                                                              "ignore_eos": True}})
+                except requests.ConnectionError:
+                    break                                 # it stopped
                 if r.status_code != 200:
                     errors.append(r.json()["error"]["message"])
                     break
             if errors:
                 break
             if l3:
-                requests_flush(h.url)
-        health = requests.get(h.url + "/health", timeout=10)
+                requests_flush(url)
+        proc.wait(timeout=90)
     finally:
-        h.stop()
-    assert errors, "the divergence went unnoticed"
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+    text = err_path.read_text()
+    assert errors, f"the divergence went unnoticed: {text[-2000:]}"
     assert "stopped before a hang: rank consensus lost" in errors[0], errors[0]
     assert "while serving request " in errors[0], errors[0]      # the trigger, named
-    import re
-
+    assert proc.returncode == 1 and "stopped: stopped before a hang" in text, text[-2000:]
+    assert "Traceback" not in text, text[-2000:]
     online = re.search(r"since the last agreement\): (\w+): rank", errors[0]).group(1)
-    assert health.status_code == 503
     out = _consistent(logs)                  # offline, on the logs the ranks wrote
     assert out["code"] == 3 and out["consistent"] is False, out
     assert online in category, (online, category)

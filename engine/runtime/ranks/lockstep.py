@@ -183,11 +183,11 @@ class LockstepScheduler(Scheduler):
     def _on_halt(self) -> None:
         """Every rank, once the halt is applied (pipeline: close pp_sync's links)."""
 
-    def step(self, block: bool = False) -> bool:
-        busy = super().step(block)
-        if self.consensus is not None and not self.halted:
+    def _decided(self) -> None:
+        # Before the forward: a divergent admission or prefetch would make the ranks enter the
+        # forward's collectives with different sizes (gloo aborts the process on that).
+        if self.consensus is not None:
             self.consensus.step_done(self.step_no)   # a collective: every rank, same steps
-        return busy
 
     # -- a lost group ----------------------------------------------------------------------
     def _batch_failed(self, exc: Exception, reqs: list[_Req]) -> None:

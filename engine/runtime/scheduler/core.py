@@ -225,6 +225,7 @@ class Scheduler:
         self._consume_completions()
         ran_spec = self._spec_round()
         chunks, reqs = self._build_batch()
+        self._decided()
         if not chunks:
             if ran_spec:
                 self.metrics.steps += 1
@@ -238,6 +239,10 @@ class Scheduler:
             self._batch_failed(exc, reqs)
         self.metrics.steps += 1
         return True
+
+    def _decided(self) -> None:
+        """The step's cache decisions are made, its forward not yet run (a lockstep group
+        compares its ranks' decisions here)."""
 
     def _batch_failed(self, exc: Exception, reqs: list[_Req]) -> None:
         """A forward that raised: its requests fail, the server goes on (a lockstep rank
