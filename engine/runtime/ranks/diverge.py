@@ -13,7 +13,8 @@ classes", lists each class, where it comes from in real deployments and what pre
   transfers to commit. Prevented by agreed commit counts (pp_sync's ACKs across stages, the TP
   group's minimum inside one).
 
-* ``clock`` — one TP rank's clock runs fast (1000×), so under the ``timeout`` prefetch policy
+* ``clock`` — one TP rank's clock runs ahead (it jumps at every reading), so under the
+  ``timeout`` prefetch policy
   its L3 fetches time out where its peers' complete. Prevented by the agreed prefetch outcome
   (a fetch is committed only where every rank has it; the others treat it as a miss).
 * ``host-alloc`` — one TP rank's L2 allocation for an L3 prefetch fails. Prevented by the
@@ -88,19 +89,25 @@ def apply_to_cache(cache: Any, topo: Topology, dv: Diverge | None) -> None:
         cache.agreeing = False
 
 
-FAST_CLOCK = 1000.0      # clock: how much faster the diverging rank's clock runs
+FAST_CLOCK = 1000.0      # clock: seconds the diverging rank's clock jumps at every reading
+CLOCK_FETCH_S = 0.05     # clock: every rank's L3 fetch takes this long (so a deadline matters)
 
 
 def apply_to_l3(cache: Any, topo: Topology, dv: Diverge | None) -> None:
     """After the L3 tier is attached: the clock and allocation faults on their rank."""
     l3 = getattr(cache, "l3", None)
-    if dv is None or l3 is None or dv.rank != topo.rank:
+    if dv is None or l3 is None:
+        return
+    if dv.cls == "clock":            # every rank's fetch takes a moment: none is done at once
+        l3.impl.debug_delay_s = max(l3.impl.debug_delay_s, CLOCK_FETCH_S)
+    if dv.rank != topo.rank:
         return
     if dv.cls == "clock":
+        import itertools
         import time
 
-        base = time.monotonic()
-        l3.clock = lambda: base + (time.monotonic() - base) * FAST_CLOCK
+        ticks = itertools.count()            # each reading a FAST_CLOCK-second jump ahead
+        l3.clock = lambda: time.monotonic() + next(ticks) * FAST_CLOCK
     elif dv.cls == "host-alloc":
         calls = [0]
 
