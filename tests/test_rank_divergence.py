@@ -39,7 +39,8 @@ CASES = {
     "ack-order-tp2": ("ack-order@1", dict(tp=2), ("restore_completion_mismatch",
                                                   "missing_events")),
     "ack-order-pp2": ("ack-order@1", dict(pp=2), ("pp_ack_consumption_mismatch",
-                                                  "restore_completion_mismatch")),
+                                                  "restore_completion_mismatch",
+                                                  "missing_events")),
 }
 
 

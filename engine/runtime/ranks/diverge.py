@@ -10,7 +10,9 @@ classes", lists each class, where it comes from in real deployments and what pre
 * ``prefetch-count`` — one TP rank's L3 store finds one page fewer of a prefix (it lost an
   object). Prevented by the agreed L3 hit length (the minimum over the TP group).
 * ``ack-order`` — one rank's copies finish later, so at a given step it has fewer completed
-  transfers to commit. Prevented by agreed commit counts (pp_sync's ACKs across stages, the TP
+  transfers to commit (its copies take longer, and each is seen finished only from its
+  ``LAG_CHECKS``-th look on: a slow copy engine whatever the machine's load, so the step where
+  it lags behind its peers comes for sure). Prevented by agreed commit counts (pp_sync's ACKs across stages, the TP
   group's minimum inside one).
 
 * ``clock`` — one TP rank's clock runs ahead (it jumps at every reading), so under the
@@ -30,10 +32,12 @@ from typing import Any
 
 import torch
 
+from engine.cache.transfer import TransferOp
 from engine.runtime.config import Diverge, ServerConfig, parse_diverge
 from engine.runtime.topology import Topology
 
 DELAY_S = 0.05           # ack-order: the diverging rank's copies take this long each
+LAG_CHECKS = 3           # ack-order: ... and a finished copy reads as not done this many times
 
 
 def diverge_of(cfg: ServerConfig) -> Diverge | None:
@@ -77,13 +81,38 @@ def wrap_store(store: Any, topo: Topology, dv: Diverge | None) -> Any:
     return store
 
 
+class LaggingOp(TransferOp):
+    """A copy that reads as not done for its first ``LAG_CHECKS`` looks after it finished
+    (``wait`` is unchanged: a rank that must have it still gets it)."""
+
+    __slots__ = ("looks",)
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        self.looks = 0
+
+    def done(self) -> bool:
+        if not super().done():
+            return False
+        self.looks += 1
+        return self.looks > LAG_CHECKS
+
+
 def apply_to_cache(cache: Any, topo: Topology, dv: Diverge | None) -> None:
     """After the cache is built: the ack-order delay on its rank; unguarded TP agreements off
     on every rank (``prefetch-count``, ``ack-order``)."""
     if dv is None:
         return
     if dv.cls == "ack-order" and dv.rank == topo.rank:
-        cache.transfers.debug_delay_s = max(cache.transfers.debug_delay_s, DELAY_S)
+        engine = cache.transfers
+        engine.debug_delay_s = max(engine.debug_delay_s, DELAY_S)
+        make = engine.new_op
+
+        def lagging(*args: Any, **kw: Any) -> Any:
+            op = make(*args, **kw)
+            return LaggingOp(op.op_id, op.kind, op.src, op.src_pages, op.dst, op.dst_pages,
+                             op.num_layers, op.payload)
+        engine.new_op = lagging
     if dv.unguarded and dv.cls in ("prefetch-count", "ack-order", "clock", "host-alloc") and \
             topo.tp > 1:
         cache.agreeing = False
