@@ -28,6 +28,11 @@ Usage::
     python benchmarks/soak.py --minutes 10 --backend file --out soak-file.json
     python benchmarks/soak.py --hostile --minutes 10 --out soak-hostile.json
     python benchmarks/soak.py --minutes 5 --backend mooncake --out soak-mooncake.json
+    python benchmarks/soak.py --tp 2 --minutes 10 --clients 2 --out soak-tp2.json
+    python benchmarks/soak.py --pp 2 --minutes 10 --clients 2 --out soak-pp2.json
+
+``--tp``/``--pp`` > 1 runs the multi-rank divergence soak instead (benchmarks/soak_ranks.py):
+rounds of a live multi-rank server with one rank driven into a random divergence class.
 
 Figures and how to read them: docs/reliability.md.
 """
@@ -451,8 +456,18 @@ def main() -> None:
                     "(benchmarks/soak_hostile.py): namespace pairs, converted stores, idle "
                     "gaps, workers stopped and killed, parent killed, wildcard listeners")
     ap.add_argument("--classes", help="with --hostile: a comma-separated subset")
+    ap.add_argument("--tp", type=int, default=1, help="> 1: the multi-rank divergence soak "
+                    "(benchmarks/soak_ranks.py): rounds of a TP server, one rank driven into "
+                    "a random divergence class, guarded or not")
+    ap.add_argument("--pp", type=int, default=1, help="> 1: the same with pipeline stages")
+    ap.add_argument("--round-s", type=float, default=20.0,
+                    help="with --tp/--pp: seconds of load per round")
     args = ap.parse_args()
-    if args.hostile:
+    if args.tp > 1 or args.pp > 1:
+        from soak_ranks import run_ranks
+
+        rep = run_ranks(args)
+    elif args.hostile:
         from soak_hostile import CLASSES, run_hostile
 
         names = args.classes.split(",") if args.classes else None
