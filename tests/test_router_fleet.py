@@ -156,6 +156,8 @@ def test_bench_replicas_runs_both_policies_side_by_side():
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert list(d["runs"]) == ["round_robin", "cache_aware"] and d["replicas"] == 2
+    assert d["cache_threshold"] == 0.5          # the job's default, not the router's 0.3
+    assert all(run["router_exit"] is None for run in d["runs"].values())
     for run in d["runs"].values():
         assert run["requests"]["ok"] == 6 and run["requests"]["failed"] == 0
         computed = run["replicas"]["computed_prompt_tokens"]
