@@ -191,3 +191,81 @@ def test_the_pooled_replica_is_not_a_bound_under_lru(head):
     session = fleet_replay(head, cfg, 16, "session")
     assert session.hit_tokens > pooled.hit_tokens
     assert fleet_replay(head, cfg, 16, "round-robin").hit_tokens < pooled.hit_tokens
+
+
+# ------------------------------------------------------------- session keys read from a trace
+
+KEYED = [  # (hash_ids, session key); 10 and 30 lie on different replicas of a 2-replica ring
+    ([10, 11], 7), ([30, 31], 7), ([10, 11], 7), ([30, 31], 7), ([30, 32], None)]
+
+
+def _keyed_trace(path, field="session_id", key=lambda k: k):
+    with open(path, "w") as f:
+        for i, (ids, k) in enumerate(KEYED):
+            row = {"timestamp": i, "input_length": B * len(ids), "output_length": 10,
+                   "hash_ids": ids}
+            if k is not None:
+                row[field] = key(k)
+            f.write(json.dumps(row) + "\n")
+    return str(path)
+
+
+def _check_keyed(res, first):
+    # By first block, 2 replicas of 2 pages: [10,11] -> A, [30,31] -> B, the repeats hit
+    # 2 blocks each, and the unkeyed [30,32] -> B (hits block 30): 5 blocks of 11 hit.
+    a, b = first.replica_of[0], first.replica_of[1]
+    assert a != b and first.replica_of == [a, b, a, b, b]
+    assert first.hit_tokens == 5 * B
+    # By the trace's key: the four keyed requests on one replica, which holds one of the two
+    # prefixes at a time: each evicts the other, nothing hits; the unkeyed request falls back
+    # to its first block (replica B): if that is the keyed replica it finds [30,31] there (1
+    # block), else nothing.
+    k = res.replica_of[0]
+    assert res.replica_of[:4] == [k] * 4 and res.replica_of[4] == b
+    assert res.hit_tokens == (B if k == b else 0)
+    assert res.computed_tokens[k] >= 8 * B
+
+
+def test_session_router_uses_the_traces_session_key(tmp_path):
+    cfg = ReplayConfig(page_size=B, l1_tokens=2 * B, events=False)
+    trace = load_trace(_keyed_trace(tmp_path / "t.jsonl"))
+    assert trace.sessions.tolist() == [7, 7, 7, 7, -1]
+    first = fleet_replay(crafted(*[ids for ids, _ in KEYED]), cfg, 2, "session")
+    _check_keyed(fleet_replay(ReplayInput(trace), cfg, 2, "session"), first)
+    for field, key in (("conversation_id", str), ("chat_id", lambda k: f"chat-{k}")):
+        t = load_trace(_keyed_trace(tmp_path / f"{field}.jsonl", field, key))
+        assert len(set(t.sessions[:4].tolist())) == 1 and t.sessions[4] == -1
+        _check_keyed(fleet_replay(ReplayInput(t), cfg, 2, "session"), first)
+
+
+def test_session_keys_survive_convert_trace_and_reach_the_cli(tmp_path):
+    src = _keyed_trace(tmp_path / "t.jsonl", key=lambda k: f"user-{k}")
+    runner.invoke(app, ["bench", "convert-trace", src, str(tmp_path / "t.parquet")],
+                  catch_exceptions=False)
+    a, b = load_trace(src), load_trace(str(tmp_path / "t.parquet"))
+    assert b.sessions.tolist() == a.sessions.tolist() and a.sessions[0] != a.sessions[4] == -1
+    outs = []
+    for f in (src, str(tmp_path / "t.parquet")):
+        r = runner.invoke(app, ["bench", "replay", f, "--page-size", str(B), "--l1-tokens",
+                                str(2 * B), "--replicas", "2", "--router", "session",
+                                "--format", "json"])
+        assert r.exit_code == 0, r.output
+        row = json.loads(r.stdout)["fleet"][0]["rows"][0]
+        outs.append((row["computed_tokens"], row["token_hit_rate"]))
+    assert outs[0] == outs[1]
+    assert max(outs[0][0]) >= 8 * B                 # the keyed four on one replica
+
+
+@pytest.mark.parametrize("value,needle", [
+    (-1, "a session key must be an integer in [0, 2**63)"),
+    ([1], "a session key must be an integer in [0, 2**63) or a string"),
+    ("", "a string of 1..1024 characters"),
+])
+def test_a_bad_session_key_is_one_line(tmp_path, value, needle):
+    p = tmp_path / "bad.jsonl"
+    p.write_text(json.dumps({"timestamp": 0, "input_length": 10, "output_length": 1,
+                             "hash_ids": [1], "session_id": value}) + "\n")
+    r = runner.invoke(app, ["bench", "replay", str(p), "--replicas", "2", "--router",
+                            "session"])
+    assert r.exit_code == 1, r.output
+    assert needle in r.stderr and "bad.jsonl:1:" in r.stderr and "Traceback" not in r.output

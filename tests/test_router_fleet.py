@@ -25,12 +25,12 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _router(urls: list[str], policy: str, log) -> tuple[subprocess.Popen, str]:
+def _router(urls: list[str], policy: str, log, *extra: str) -> tuple[subprocess.Popen, str]:
     port = _port()
     proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router",
                              "--worker-urls", *urls, "--policy", policy, "--host", "127.0.0.1",
                              "--port", str(port), "--prometheus-host", "127.0.0.1",
-                             "--prometheus-port", str(_port()), "--log-level", "warn"],
+                             "--prometheus-port", str(_port()), "--log-level", "warn", *extra],
                             stdout=log, stderr=subprocess.STDOUT)
     return proc, f"http://127.0.0.1:{port}"
 
@@ -156,6 +156,8 @@ def test_bench_replicas_runs_both_policies_side_by_side():
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert list(d["runs"]) == ["round_robin", "cache_aware"] and d["replicas"] == 2
+    assert d["cache_threshold"] == 0.5          # the job's default, not the router's 0.3
+    assert all(run["router_exit"] is None for run in d["runs"].values())
     for run in d["runs"].values():
         assert run["requests"]["ok"] == 6 and run["requests"]["failed"] == 0
         computed = run["replicas"]["computed_prompt_tokens"]
@@ -227,3 +229,211 @@ def test_a_router_that_dies_mid_run_ends_the_run_with_errors(fleet, tmp_path):
         assert d["requests"]["failed"] > 0 and d["requests"]["ok"] > 0
     else:
         assert "requests failed" in r.output or "failed" in r.output
+
+
+# ---------------------------------------------------------------- bad input of the live fleet
+
+def _bench(*args: str):
+    from typer.testing import CliRunner
+
+    from hicache_cli.app import app
+
+    return CliRunner().invoke(app, ["bench", *args])
+
+
+def _one_line_error(r) -> str:
+    assert "Traceback" not in r.output, r.output
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--router-args", "--port 9"], "--port is set by hicache bench itself"),
+    (["--router-args", "'unbalanced"], "quotation"),
+])
+def test_bench_replicas_bad_router_args_are_usage_errors(args, needle):
+    pytest.importorskip("sglang_router", reason="the fleet extra is not installed")
+    r = _bench("--replicas", "2", *args)
+    assert r.exit_code == 2, r.output
+    assert needle in _one_line_error(r)
+
+
+def test_bench_replicas_without_the_router_installed_is_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "sglang_router", None)     # as if not installed
+    r = _bench("--replicas", "2")
+    assert r.exit_code == 2, r.output
+    assert "pip install 'hicache[fleet]'" in _one_line_error(r)
+
+
+def test_bench_replicas_a_router_that_refuses_to_start_is_one_line():
+    # the real router, given an option it does not know: it exits 2 at start
+    pytest.importorskip("sglang_router", reason="the fleet extra is not installed")
+    t0 = time.monotonic()
+    r = _bench("--replicas", "2", "--router", "round_robin", "--router-args",
+               "--no-such-router-option 1")
+    assert time.monotonic() - t0 < 120
+    assert r.exit_code == 2, r.output
+    line = _one_line_error(r)
+    assert "round_robin router exited 2 at start" in line and "no-such-router-option" in line
+
+
+def test_bench_replicas_a_replica_that_fails_to_start_is_one_line(tmp_path):
+    # a checkpoint whose config passes the checks before the start and whose weights are
+    # cut short: the first replica fails while it loads them
+    pytest.importorskip("sglang_router", reason="the fleet extra is not installed")
+    from engine.runtime.model import ModelConfig, random_weights, save_hf
+
+    cfg = ModelConfig(name="cut", num_layers=2, hidden=64, num_heads=2, num_kv_heads=1,
+                      head_dim=32, intermediate=128, max_context=2048)
+    save_hf(str(tmp_path), cfg, random_weights(cfg, 3))
+    w = tmp_path / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:w.stat().st_size // 2])
+    r = _bench("--replicas", "2", "--model", str(tmp_path))
+    assert r.exit_code == 1, r.output
+    line = _one_line_error(r)
+    assert "replica 0 of 2 did not start" in line and "model.safetensors" in line
+    assert not _children("sglang_router.launch_router")      # no router was left running
+
+
+def _children(pattern: str) -> list[int]:
+    """Live child processes of this process whose command line contains ``pattern``."""
+    import os
+
+    me, out = os.getpid(), []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == me and pattern in cmd:
+            out.append(int(d))
+    return out
+
+
+def test_bench_replicas_a_router_killed_mid_run_reports_and_finishes():
+    # SIGKILL the router `hicache bench --replicas` started, once it has served requests: the
+    # run's later requests fail as `connection`, the report says so, the command exits 1.
+    pytest.importorskip("sglang_router", reason="the fleet extra is not installed")
+    import os
+    import re
+    import signal
+    import threading
+
+    killed: list[int] = []
+    ports: dict[int, str] = {}
+
+    def killer() -> None:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline and not killed:
+            for pid in _children("sglang"):
+                try:                    # its arguments, until it retitles itself sglang::router
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        m = re.search(r"--port (\d+)", f.read().replace(b"\0", b" ").decode())
+                    if m:
+                        ports.setdefault(pid, m.group(1))
+                except OSError:
+                    continue
+                port = ports.get(pid)
+                if port is None:
+                    continue
+                try:
+                    m = requests.get(f"http://127.0.0.1:{port}/workers", timeout=2).json()
+                except (requests.RequestException, ValueError):
+                    continue
+                if len([w for w in m.get("workers", []) if w.get("is_healthy")]) == 2:
+                    time.sleep(2.0)                 # let it route a few turns
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+            time.sleep(0.2)
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    r = _bench("--replicas", "2", "--router", "round_robin", "--num-clients", "2",
+               "--num-rounds", "40", "--format", "json")
+    t.join(timeout=10)
+    assert killed, "the router was never seen"
+    assert time.monotonic() - t0 < 180
+    assert r.exit_code == 1, r.output
+    assert "requests failed: round_robin: connection" in _one_line_error(r)
+    assert "round_robin router died during its run (exit -9)" in r.stderr
+    run = json.loads(r.stdout)["runs"]["round_robin"]
+    assert run["router_exit"] == -signal.SIGKILL
+    assert run["requests"]["ok"] > 0 and run["errors_by_status"].get("connection", 0) > 0
+    assert run["requests"]["sent"] == run["requests"]["ok"] + run["requests"]["failed"] < 80
+
+
+def test_bench_run_through_the_router_with_a_replica_killed_mid_run(tmp_path):
+    # Two replicas behind the real router, one of them its own process: SIGKILL it while
+    # `bench run --url ROUTER` sends. The run finishes, its report counts the failures by
+    # status, and the per-replica figures say the killed one did not answer. (With its
+    # retries on, the router resends to the live replica and the run sees no error.)
+    pytest.importorskip("sglang_router", reason="the fleet extra is not installed")
+    import os
+    import signal
+    import threading
+
+    from engine.loadgen.replicas import replica_counters
+    from tests.serve_client import spawn
+
+    store = tmp_path / "l3"
+    args = ["--hicache-storage-backend", "file", "--hicache-storage-dir", str(store)]
+    victim, vurl = spawn(*args, stderr=subprocess.DEVNULL)
+    try:
+        with start_server(ServerConfig(port=0, l1_tokens=2048, l2_tokens=4096, page_size=PAGE,
+                                       hicache_storage_backend="file",
+                                       hicache_storage_dir=str(store))) as a, \
+                open(tmp_path / "router.log", "w") as log:
+            # without the router's retries, a request sent to the dead replica fails to us
+            proc, url = _router([a.url, vurl], "round_robin", log, "--disable-retries")
+            try:
+                _ready(proc, url, tmp_path / "router.log")
+                served: list[float] = []
+
+                def killer() -> None:        # once the victim has answered a few requests
+                    deadline = time.monotonic() + 60
+                    while time.monotonic() < deadline:
+                        n = (replica_counters(vurl, timeout=2) or {}).get("requests", 0)
+                        if n >= 4:
+                            served.append(n)
+                            os.kill(victim.pid, signal.SIGKILL)
+                            return
+                        time.sleep(0.05)
+
+                t = threading.Thread(target=killer, daemon=True)
+                t.start()
+                t0 = time.monotonic()
+                r = _bench("run", "--url", url, "-w", "multiturn", "--num-clients", "2",
+                           "--num-rounds", "100", "--request-length", "16", "--max-tokens",
+                           "2", "--timeout", "30", "--format", "json")
+                wall = time.monotonic() - t0
+                t.join(timeout=5)
+                alive = proc.poll() is None
+            finally:
+                proc.kill()
+                proc.wait()
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+        victim.wait()
+    assert served and victim.returncode == -signal.SIGKILL and alive
+    assert wall < 90
+    assert r.exit_code in (0, 1), r.output
+    assert "Traceback" not in r.output
+    d = json.loads(r.stdout)
+    rows = {x["url"]: x for x in d["per_replica"]["replicas"]}
+    assert rows[a.url]["answered"] and rows[a.url]["requests"] > 0
+    assert not rows[vurl]["answered"]
+    assert rows[vurl]["reason"].startswith("no answer") and "after the run" in rows[vurl]["reason"]
+    assert d["requests"]["sent"] == d["requests"]["ok"] + d["requests"]["failed"]
+    assert d["requests"]["failed"] > 0 and d["requests"]["ok"] > 0 and r.exit_code == 0
+    kinds = set(d["errors_by_status"])
+    assert kinds and kinds <= {str(c) for c in range(500, 600)}, d["errors_by_status"]
+    assert sum(d["errors_by_status"].values()) == d["requests"]["failed"]
+    assert d["first_error"].split(":", 1)[0] in kinds

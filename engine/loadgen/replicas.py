@@ -16,12 +16,21 @@ COUNTERS = {"hicache_prompt_tokens_total": "prompt_tokens",
             "hicache_computed_prompt_tokens_total": "computed_tokens"}
 
 
-def _get(url: str, timeout: float) -> bytes | None:
+def _fetch(url: str, timeout: float) -> bytes | str:
+    """The body of a 200 answer, else why not: ``"HTTP 404"``, ``"no answer: …"``."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:       # noqa: S310 (http only)
-            return r.read(MAX_BYTES) if r.status == 200 else None
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
+            return r.read(MAX_BYTES) if r.status == 200 else f"HTTP {r.status}"
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}"
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", None) or exc
+        return f"no answer: {str(reason)[:120] or type(exc).__name__}"
+
+
+def _get(url: str, timeout: float) -> bytes | None:
+    raw = _fetch(url, timeout)
+    return raw if isinstance(raw, bytes) else None
 
 
 def router_workers(url: str, timeout: float = 5.0) -> list[dict[str, Any]]:
@@ -39,9 +48,16 @@ def router_workers(url: str, timeout: float = 5.0) -> list[dict[str, Any]]:
 def replica_counters(url: str, timeout: float = 10.0) -> dict[str, float] | None:
     """A hicache replica's prompt-token counters and finished requests; ``None`` when it does
     not answer them."""
-    raw = _get(url.rstrip("/") + "/metrics", timeout)
-    if raw is None:
-        return None
+    got = probe(url, timeout)
+    return got if isinstance(got, dict) else None
+
+
+def probe(url: str, timeout: float = 10.0) -> dict[str, float] | str:
+    """:func:`replica_counters`, or why there are none: ``"no answer: …"`` (down, refused,
+    timed out), ``"HTTP 404"``, ``"no hicache counters"``."""
+    raw = _fetch(url.rstrip("/") + "/metrics", timeout)
+    if isinstance(raw, str):
+        return raw
     out: dict[str, float] = {}
     for line in raw.decode("utf-8", "replace").splitlines():
         if not line or line.startswith("#") or " " not in line:
@@ -55,22 +71,28 @@ def replica_counters(url: str, timeout: float = 10.0) -> dict[str, float] | None
             out[COUNTERS[key]] = v
         elif key.startswith("hicache_requests_total"):
             out["requests"] = out.get("requests", 0.0) + v
-    return out if "computed_tokens" in out else None
+    return out if "computed_tokens" in out else "no hicache counters"
 
 
-def snapshot(urls: list[str]) -> dict[str, dict[str, float] | None]:
-    return {u: replica_counters(u) for u in urls}
+def snapshot(urls: list[str]) -> dict[str, dict[str, float] | str]:
+    """Each replica's counters, or why it has none (:func:`probe`)."""
+    return {u: probe(u) for u in urls}
 
 
 def per_replica(before: dict, after: dict) -> dict[str, Any] | None:
     """What each replica did between two :func:`snapshot`\\ s: requests, prompt tokens,
-    computed tokens, hit rate; and the load spread (max / mean computed tokens). ``None`` when
-    no replica answered both times."""
+    computed tokens, hit rate; and the load spread (max / mean computed tokens over the replicas
+    that answered). A replica that did not answer both times (killed during the run, not a
+    hicache server) is a row ``{"url", "answered": False, "reason"}``. ``None`` when no replica
+    answered both times."""
     rows = []
     for u, b in before.items():
         a = after.get(u)
-        if a is None or b is None:
-            rows.append({"url": u, "answered": False})
+        if not isinstance(a, dict) or not isinstance(b, dict):
+            why = b if not isinstance(b, dict) else a
+            when = "before the run" if not isinstance(b, dict) else "after the run"
+            rows.append({"url": u, "answered": False,
+                         "reason": f"{why or 'no answer'} ({when})"})
             continue
         d = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in ("requests", "prompt_tokens",
                                                        "computed_tokens")}

@@ -2,7 +2,9 @@
 
 Each line is ``{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}``,
 where ``hash_ids`` are *prefix* hashes of 512-token blocks: equal ids mean an identical prefix up
-to and including that block. No tokens are released, so we invent them: block ``b`` holds the
+to and including that block. A line may also carry a session key (``session_id``, or
+``conversation_id`` / ``chat_id``: :data:`SESSION_FIELDS`), an integer or a string, which the
+fleet replay's ``session`` router routes by. No tokens are released, so we invent them: block ``b`` holds the
 token positions ``b*512 … b*512+511``, each mixed (splitmix64) into the server's vocabulary.
 Equal block ids give equal tokens; different ids give different tokens (a collision of a whole
 block is astronomically unlikely even in a 256-token vocabulary), so the server's prefix cache
@@ -34,6 +36,12 @@ MAX_INPUT_LENGTH = 4_000_000
 MAX_REQUESTS = 1_000_000
 MAX_BLOCK_ID = 1 << 48
 MAX_TIMESTAMP_MS = float(1 << 53)      # integral milliseconds stay exact below this
+SESSION_FIELDS = ("session_id", "conversation_id", "chat_id")
+"""Where a request's session key may be, first found wins: an integer in [0, 2**63) is the key
+itself, a string (at most :data:`MAX_SESSION_CHARS`) its 63-bit hash (:func:`session_key`);
+``null`` or absent: no key (``-1`` in :attr:`Trace.sessions`)."""
+MAX_SESSION_CHARS = 1024
+NO_SESSION = -1
 
 # What a trace may make the reader hold, whatever its file size (a gzip or Parquet file of a
 # few KB can describe gigabytes). Each can be raised through the environment variable named.
@@ -78,6 +86,25 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
         return (z ^ (z >> np.uint64(31))) & _M64
 
 
+def session_key(value: object, where: str) -> int:
+    """A session key as a non-negative int64 (:data:`SESSION_FIELDS`); ``NO_SESSION`` for
+    ``None``."""
+    if value is None:
+        return NO_SESSION
+    if type(value) is int:
+        if not 0 <= value < 1 << 63:
+            raise InputError(f"{where}: a session key must be an integer in [0, 2**63) or a "
+                             f"string, got {str(value)[:40]}")
+        return value
+    if isinstance(value, str) and 0 < len(value) <= MAX_SESSION_CHARS:
+        import hashlib
+
+        digest = hashlib.blake2b(value.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+        return int.from_bytes(digest, "little") >> 1
+    raise InputError(f"{where}: a session key must be an integer in [0, 2**63) or a string of "
+                     f"1..{MAX_SESSION_CHARS} characters, got {type(value).__name__}")
+
+
 def block_tokens(block_id: int, n: int = TRACE_BLOCK, vocab_size: int = DEFAULT_VOCAB) -> np.ndarray:
     """The first ``n`` tokens of trace block ``block_id`` (``n`` ≤ 512)."""
     pos = np.arange(n, dtype=np.uint64) + np.uint64(block_id) * np.uint64(TRACE_BLOCK)
@@ -90,6 +117,7 @@ class TraceRecord:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    session: int = NO_SESSION
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -104,6 +132,9 @@ class Trace:
     output_lengths: np.ndarray     # int64
     offsets: np.ndarray            # int64, len(self) + 1
     blocks: np.ndarray             # int64
+    sessions: np.ndarray | None = None
+    """int64 session key per request (``NO_SESSION``: none), or ``None`` when the trace
+    carries no key at all."""
 
     def __len__(self) -> int:
         return len(self.input_lengths)
@@ -117,12 +148,14 @@ class Trace:
             return self
         return Trace(self.name, self.timestamps_ms[:n], self.input_lengths[:n],
                      self.output_lengths[:n], self.offsets[:n + 1],
-                     self.blocks[:int(self.offsets[n])])
+                     self.blocks[:int(self.offsets[n])],
+                     None if self.sessions is None else self.sessions[:n])
 
     def records(self) -> list[TraceRecord]:
         ids = self.blocks.tolist()
         offs = self.offsets.tolist()
-        return [TraceRecord(ts, n_in, n_out, tuple(ids[offs[i]:offs[i + 1]]))
+        sess = [NO_SESSION] * len(self) if self.sessions is None else self.sessions.tolist()
+        return [TraceRecord(ts, n_in, n_out, tuple(ids[offs[i]:offs[i + 1]]), sess[i])
                 for i, (ts, n_in, n_out) in enumerate(zip(self.timestamps_ms.tolist(),
                                                           self.input_lengths.tolist(),
                                                           self.output_lengths.tolist()))]
@@ -135,9 +168,11 @@ class Trace:
         np.cumsum(lens, out=offsets[1:])
         blocks = np.fromiter((b for r in recs for b in r.hash_ids), dtype=np.int64,
                              count=int(offsets[-1]))
+        sess = np.array([r.session for r in recs], dtype=np.int64)
         return cls(name, np.array([r.timestamp_ms for r in recs], dtype=np.float64),
                    np.array([r.input_length for r in recs], dtype=np.int64),
-                   np.array([r.output_length for r in recs], dtype=np.int64), offsets, blocks)
+                   np.array([r.output_length for r in recs], dtype=np.int64), offsets, blocks,
+                   sess if (sess != NO_SESSION).any() else None)
 
 
 def _open_text(path: str) -> io.TextIOBase:
@@ -154,7 +189,7 @@ def _check_path(path: str) -> None:
         raise IsADirectoryError(21, "Is a directory", path)
 
 
-def _parse(line: str, where: str) -> tuple[float, int, int, list[int]]:
+def _parse(line: str, where: str) -> tuple[float, int, int, list[int], int]:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -186,7 +221,8 @@ def _parse(line: str, where: str) -> tuple[float, int, int, list[int]]:
     if len(ids) < need:
         raise InputError(f"{where}: {len(ids)} hash_ids cannot cover input_length {n_in} "
                          f"(need {need} blocks of {TRACE_BLOCK})")
-    return float(ts), n_in, n_out, ids[:need]
+    key = next((obj[k] for k in SESSION_FIELDS if k in obj), None)
+    return float(ts), n_in, n_out, ids[:need], session_key(key, where)
 
 
 class _Blocks:
@@ -217,6 +253,7 @@ def _load_jsonl(path: str, cap: int) -> Trace:
     n_in: list[int] = []
     n_out: list[int] = []
     lens: list[int] = []
+    sess: list[int] = []
     blocks = _Blocks()
     read = 0
     with _open_text(path) as f:
@@ -230,7 +267,7 @@ def _load_jsonl(path: str, cap: int) -> Trace:
                 break
             if not line.strip():
                 continue
-            t, i, o, ids = _parse(line, f"{name}:{lineno}")
+            t, i, o, ids, key = _parse(line, f"{name}:{lineno}")
             if blocks.n + len(ids) > max_blocks:
                 raise over_limit(f"{name}:{lineno}", f"{blocks.n + len(ids):,} blocks",
                                  "MAX_TRACE_BLOCKS")
@@ -238,13 +275,16 @@ def _load_jsonl(path: str, cap: int) -> Trace:
             n_in.append(i)
             n_out.append(o)
             lens.append(len(ids))
+            sess.append(key)
             blocks.extend(ids)
             if len(ts) >= cap:
                 break
     offsets = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(lens, out=offsets[1:])
+    keys = np.array(sess, dtype=np.int64)
     return Trace(name, np.array(ts, dtype=np.float64), np.array(n_in, dtype=np.int64),
-                 np.array(n_out, dtype=np.int64), offsets, blocks.array())
+                 np.array(n_out, dtype=np.int64), offsets, blocks.array(),
+                 keys if (keys != NO_SESSION).any() else None)
 
 
 def load_trace(path: str, limit: int | None = None) -> Trace:

@@ -2,7 +2,9 @@
 
 The schema is the JSONL trace's, one row per request: ``timestamp`` (float64, ms),
 ``input_length`` and ``output_length`` (int64) and ``hash_ids`` (list<int64>, cut to the blocks
-that cover the input). Reading one skips JSON parsing entirely: the list column's offsets and
+that cover the input), and optionally ``session_id`` (int64, null: no key; the JSONL reader's
+session key, a string as its hash; ``conversation_id`` / ``chat_id`` are read too, integers or
+strings). Reading one skips JSON parsing entirely: the list column's offsets and
 values become :class:`~engine.loadgen.trace.Trace`'s ``offsets`` and ``blocks`` without a copy.
 A columnar file is untrusted input like any trace: its size is bounded before it is read and
 every column is checked (types, nulls, ranges, coverage) with the first bad row named.
@@ -19,9 +21,12 @@ from engine.loadgen.trace import (
     MAX_BLOCK_ID,
     MAX_INPUT_LENGTH,
     MAX_TIMESTAMP_MS,
+    NO_SESSION,
+    SESSION_FIELDS,
     TRACE_BLOCK,
     Trace,
     over_limit,
+    session_key,
     trace_limit,
 )
 
@@ -34,12 +39,18 @@ def columnar_kind(path: str) -> str | None:
     return SUFFIXES.get(os.path.splitext(path)[1].lower())
 
 
+def _columns(names: list[str]) -> list[str]:
+    """The columns read: :data:`COLUMNS` and the first session field present."""
+    return list(COLUMNS) + [k for k in SESSION_FIELDS if k in names][:1]
+
+
 def _parquet_plan(pf, name: str, cap: int) -> list[int]:
     """The row groups holding the first ``cap`` rows, after checking from the footer alone
     (before any page is decompressed) that their decoded columns and stored hash ids fit the
     limits: a few KB of run-length or dictionary encoded pages can decode to gigabytes."""
     meta = pf.metadata
     max_blocks, max_bytes = trace_limit("MAX_TRACE_BLOCKS"), trace_limit("MAX_TRACE_BYTES")
+    wanted = _columns(pf.schema_arrow.names)
     leaf = [i for i in range(meta.num_columns)
             if meta.schema.column(i).path.split(".")[0] == "hash_ids"]
     groups: list[int] = []
@@ -52,7 +63,7 @@ def _parquet_plan(pf, name: str, cap: int) -> list[int]:
         rows += rg.num_rows
         ids += sum(rg.column(i).num_values for i in leaf)
         size += sum(rg.column(i).total_uncompressed_size for i in range(rg.num_columns)
-                    if meta.schema.column(i).path.split(".")[0] in COLUMNS)
+                    if meta.schema.column(i).path.split(".")[0] in wanted)
         if ids > max_blocks:
             raise over_limit(name, f"{ids:,} stored hash ids", "MAX_TRACE_BLOCKS")
         if size > max_bytes:
@@ -148,15 +159,16 @@ def _batches(path: str, cap: int, parquet: bool):
         if missing:
             raise InputError(f"{name}: missing column {missing[0]!r}")
         groups = _parquet_plan(pf, name, cap)
-        batches = pf.iter_batches(batch_size=65_536, columns=list(COLUMNS), row_groups=groups)
+        batches = pf.iter_batches(batch_size=65_536, columns=_columns(pf.schema_arrow.names),
+                                  row_groups=groups)
     else:
         _ipc_plan(path, name, cap)
         reader = pa.ipc.open_file(pa.memory_map(path))
         missing = [c for c in COLUMNS if c not in reader.schema.names]
         if missing:
             raise InputError(f"{name}: missing column {missing[0]!r}")
-        batches = (reader.get_batch(i).select(list(COLUMNS))
-                   for i in range(reader.num_record_batches))
+        cols = _columns(reader.schema.names)
+        batches = (reader.get_batch(i).select(cols) for i in range(reader.num_record_batches))
     rows = 0
     nbytes = 0
     ids = 0
@@ -239,7 +251,34 @@ def read_columnar(path: str, cap: int, parquet: bool) -> Trace:
         values = values[pos < np.repeat(need, lens)]
         offsets = np.zeros(len(need) + 1, dtype=np.int64)
         np.cumsum(need, out=offsets[1:])
-    return Trace(name, ts, n_in, n_out, offsets, values)
+    return Trace(name, ts, n_in, n_out, offsets, values, _sessions(name, table))
+
+
+def _sessions(name: str, table) -> np.ndarray | None:
+    """The session key column (see :data:`SESSION_FIELDS`), or ``None`` without one."""
+    import pyarrow as pa
+
+    key = next((k for k in SESSION_FIELDS if k in table.column_names), None)
+    if key is None:
+        return None
+    col = table.column(key).combine_chunks()
+    if pa.types.is_integer(col.type):
+        vals = col.to_numpy(zero_copy_only=False) if not col.null_count else \
+            col.fill_null(NO_SESSION).to_numpy(zero_copy_only=False)
+        out = vals.astype(np.int64)
+        valid = np.asarray(col.is_valid())
+        if pa.types.is_unsigned_integer(col.type):
+            _first_bad(name, valid & (vals >= np.uint64(1 << 63)),
+                       f"column {key!r}: a session key must be in [0, 2**63)")
+        _first_bad(name, valid & (out < 0), f"column {key!r}: a session key must be in "
+                                            f"[0, 2**63)")
+    elif pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+        out = np.fromiter((session_key(v, f"{name}: row {i + 1}")
+                           for i, v in enumerate(col.to_pylist())),
+                          dtype=np.int64, count=len(col))
+    else:
+        raise InputError(f"{name}: column {key!r} must hold integers or strings, not {col.type}")
+    return out if (out != NO_SESSION).any() else None
 
 
 def write_columnar(trace: Trace, path: str) -> None:
@@ -260,6 +299,9 @@ def write_columnar(trace: Trace, path: str) -> None:
         "hash_ids": lists.from_arrays(pa.array(trace.offsets.astype(offset_type)),
                                       pa.array(trace.blocks, type=pa.int64())),
     })
+    if trace.sessions is not None:
+        table = table.append_column("session_id", pa.array(
+            trace.sessions, type=pa.int64(), mask=trace.sessions == NO_SESSION))
     from formats.outpath import atomic_output
 
     with atomic_output(path) as f:

@@ -9,9 +9,13 @@ request and in arrival order, from what a real router can know:
 * ``round-robin``: request ``i`` goes to replica ``i mod N``.
 * ``least-load``: the replica with the fewest requests in flight (ties: fewest routed so far,
   then lowest index).
-* ``session``: the request's session key on a consistent-hash ring (sticky sessions); without
-  a key in the trace, its first block past the prefix *every* request of the trace shares (a
-  system prompt common to all would otherwise put the whole trace in one session).
+* ``session``: the request's session key on a consistent-hash ring (sticky sessions): the
+  trace's own (``session_id`` and the other :data:`~engine.loadgen.trace.SESSION_FIELDS`, as
+  :attr:`~engine.loadgen.trace.Trace.sessions` holds them) or ``sessions=``; for a request
+  without one, its first block past the prefix *every* request of the trace shares (a system
+  prompt common to all would otherwise put the whole trace in one session). An integer key and
+  a block id are hashed alike: key ``k`` goes where a request whose first own block is ``k``
+  goes.
 * ``consistent-hash``: its first ``hash_blocks`` trace blocks on the ring (prefix-hash
   routing; on a trace whose requests share a first block, one replica takes everything).
 * ``cache-aware``: SGLang's router algorithm over an approximate prefix tree per replica,
@@ -51,6 +55,7 @@ import numpy as np
 from engine.cache.facade import CacheConfig, HiCache
 from engine.cache.l3 import SimulatedTier
 from engine.core.errors import OutOfCapacity
+from engine.loadgen.trace import NO_SESSION
 from engine.sim.replay import TRACE_BLOCK, ReplayConfig, ReplayInput
 
 ROUTERS = ("round-robin", "least-load", "session", "consistent-hash", "cache-aware")
@@ -235,7 +240,7 @@ class _Router:
         self.ring = _Ring(n, rc.virtual_nodes) if name in ("session", "consistent-hash") \
             else None
         self.sessions = sessions
-        self.skip = _common_prefix(inp) if name == "session" and sessions is None else 0
+        self.skip = _common_prefix(inp) if name == "session" else 0
 
     def advance(self, now_ms: float) -> None:
         done = self._done
@@ -253,8 +258,9 @@ class _Router:
         if name == "least-load":
             return self._least_loaded()
         if name == "session":
-            key = (self.sessions[i] if self.sessions is not None
-                   else ids[min(self.skip, len(ids) - 1)])
+            key = self.sessions[i] if self.sessions is not None else None
+            if key is None or (isinstance(key, (int, np.integer)) and key == NO_SESSION):
+                key = ids[min(self.skip, len(ids) - 1)]
             return self.ring.pick(key)  # type: ignore[union-attr]
         if name == "consistent-hash":
             key = _h64(np.asarray(ids[:self.rc.hash_blocks], dtype=np.int64).tobytes())
@@ -319,8 +325,9 @@ def fleet_replay(inp: ReplayInput, cfg: ReplayConfig, replicas: int, router: str
                  progress: Callable[[int], None] | None = None) -> FleetResult:
     """Route ``inp`` (up to ``cfg.limit`` requests) over ``replicas`` cache stacks of
     ``cfg``'s L1/L2 budgets (x ``capacity_factor``) sharing one L3 of ``cfg.l3_tokens``
-    (0: none, -1: unbounded). ``sessions``: a session key per request, when the trace has
-    them (ints, strings or bytes)."""
+    (0: none, -1: unbounded). ``sessions``: a session key per request (ints, strings or
+    bytes; ``None`` or ``-1``: none, route by the first block); default: the trace's own
+    (``inp.trace.sessions``), if it has any."""
     rc = rc or RouterConfig()
     rc.check()
     if not 1 <= replicas <= MAX_REPLICAS:
@@ -332,6 +339,8 @@ def fleet_replay(inp: ReplayInput, cfg: ReplayConfig, replicas: int, router: str
         raise ValueError("an L3 tier needs an L2 tier (L3 pages are staged through L2)")
     p = cfg.page_size
     n_req = len(inp) if cfg.limit is None else min(cfg.limit, len(inp))
+    if sessions is None and inp.trace.sessions is not None:
+        sessions = inp.trace.sessions.tolist()
     if sessions is not None and len(sessions) < n_req:
         raise ValueError(f"{len(sessions)} session keys for {n_req} requests")
     shared = (SimulatedTier(-1 if cfg.l3_tokens < 0 else cfg.l3_tokens // p)

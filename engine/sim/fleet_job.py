@@ -23,7 +23,7 @@ import tempfile
 import time
 from typing import Iterator
 
-from engine.core.errors import HiCacheError
+from engine.core.errors import HiCacheError, UsageError
 from engine.loadgen.driver import LoadConfig, LoadResult, run_load
 from engine.loadgen.report import summarize_result
 from engine.sim.main_job import (
@@ -38,10 +38,43 @@ from engine.sim.main_job import (
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 ROUTER_START_S = 120.0
+REQUEST_TIMEOUT_S = 120.0
+"""One request's limit through the router (a replica or router that stops answering costs a
+request this long at most; a dead one fails at once)."""
+DEFAULT_CACHE_THRESHOLD = 0.5
+"""The router's ``--cache-threshold`` in ``hicache bench --replicas`` (SGLang's own default is
+0.3). On the default agentic workload a first prompt is 36% shared prefix: at 0.3 every new
+session matches the replica that computed that prefix, and cache_aware puts every session on
+one replica; at 0.5 a new session goes to the replica with the smaller tree and stays there."""
+OWN_ROUTER_OPTIONS = ("--worker-urls", "--policy", "--host", "--port", "--prometheus-host",
+                      "--prometheus-port")
+"""Router options the fleet job sets itself; ``--router-args`` may not give them."""
 
 
 class RouterError(HiCacheError):
     pass
+
+
+class RouterUsageError(UsageError):
+    """The router refused its options (it exited 2 at start, as argparse does)."""
+
+
+@dataclasses.dataclass
+class RunningRouter:
+    url: str
+    proc: subprocess.Popen
+    policy: str
+
+    def exit_code(self) -> int | None:
+        """``None`` while it runs; its exit status once it has died (negative: a signal)."""
+        return self.proc.poll()
+
+
+def check_router_args(args: list[str]) -> None:
+    own = [a for a in args if a.split("=", 1)[0] in OWN_ROUTER_OPTIONS]
+    if own:
+        raise ValueError(f"--router-args: {own[0].split('=', 1)[0]} is set by hicache bench "
+                         f"itself")
 
 
 def check_fleet(replicas: int, policies: list[str]) -> None:
@@ -65,9 +98,14 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def router(urls: list[str], policy: str, extra: list[str] | None = None) -> Iterator[str]:
+def router(urls: list[str], policy: str, extra: list[str] | None = None
+           ) -> Iterator[RunningRouter]:
     """SGLang's router over ``urls`` on a free 127.0.0.1 port, ready (every worker healthy);
-    always stopped. ``extra``: more router options (``["--cache-threshold", "0.5"]``)."""
+    always stopped. ``extra``: more router options (``["--cache-threshold", "0.5"]``).
+    A router that exits before it is ready raises :class:`RouterUsageError` when it exited 2
+    (it refused its options), else :class:`RouterError`, with its last log line; one that does
+    not register every replica within :data:`ROUTER_START_S` raises :class:`RouterError`
+    naming the replicas it lacks."""
     from engine.loadgen.replicas import router_workers
 
     port = _free_port()
@@ -85,16 +123,19 @@ def router(urls: list[str], policy: str, extra: list[str] | None = None) -> Iter
             if proc.poll() is not None:
                 log.seek(0)
                 tail = [ln for ln in log.read().splitlines() if ln.strip()][-1:]
-                raise RouterError(f"the {policy} router exited {proc.returncode}: "
-                                  f"{tail[0][:200] if tail else 'no output'}")
+                err = RouterUsageError if proc.returncode == 2 else RouterError
+                raise err(f"the {policy} router exited {proc.returncode} at start: "
+                          f"{_plain_text(tail[0])[:200] if tail else 'no output'}")
             ws = router_workers(url, timeout=2)
-            if len(ws) == len(urls) and all(w.get("is_healthy") for w in ws):
+            healthy = {w["url"].rstrip("/") for w in ws if w.get("is_healthy")}
+            if all(u.rstrip("/") in healthy for u in urls):
                 break
             if time.monotonic() > deadline:
-                raise RouterError(f"the {policy} router did not register its {len(urls)} "
-                                  f"replicas in {ROUTER_START_S:.0f} s")
+                lacking = [u for u in urls if u.rstrip("/") not in healthy]
+                raise RouterError(f"the {policy} router did not register "
+                                  f"{', '.join(lacking)} in {ROUTER_START_S:.0f} s")
             time.sleep(0.2)
-        yield url
+        yield RunningRouter(url, proc, policy)
     finally:
         if proc.poll() is None:
             proc.terminate()
@@ -104,6 +145,13 @@ def router(urls: list[str], policy: str, extra: list[str] | None = None) -> Iter
                 proc.kill()
                 proc.wait()
         log.close()
+
+
+def _plain_text(line: str) -> str:
+    """A router log line without its ANSI colours."""
+    import re
+
+    return re.sub(r"\x1b\[[0-9;]*m", "", line).strip()
 
 
 def _computed(url: str) -> float:
@@ -117,16 +165,21 @@ def _plain(wl, lc: LoadConfig, label: str) -> LoadResult:
 
 
 def run_fleet_job(cfg: MainJobConfig, replicas: int, policies: list[str],
-                  runner: Runner = _plain, cache_threshold: float | None = None) -> dict:
+                  runner: Runner = _plain, cache_threshold: float | None = DEFAULT_CACHE_THRESHOLD,
+                  router_args: list[str] | None = None) -> dict:
     """One run per router policy; ``{"config", "replicas", "runs": {policy: summary +
-    "replicas": {"computed_prompt_tokens", "load_spread"}}, "wall_s"}``.
-    ``cache_threshold``: the router's ``--cache-threshold`` (None: its default, 0.3)."""
+    "replicas": {"computed_prompt_tokens", "load_spread"} + "router_exit"}, "wall_s"}``.
+    ``cache_threshold``: the router's ``--cache-threshold`` (None: the router's own default,
+    0.3); ``router_args``: more router options, as given. ``router_exit`` is ``None``, or the
+    exit status of a router that died during its run (negative: the signal); the run's requests
+    after that fail (``connection``) and the job goes on with the next policy."""
     from engine.runtime.launch import start_server
 
     t0 = time.perf_counter()
     cfg = fitted(cfg)
     check_config(cfg)
     check_fleet(replicas, policies)
+    check_router_args(router_args or [])
     runs: dict[str, dict] = {}
     with torch_threads(cfg.threads):
         for policy in policies:
@@ -137,22 +190,29 @@ def run_fleet_job(cfg: MainJobConfig, replicas: int, policies: list[str],
                 for i in range(replicas):
                     try:
                         h = start_server(srv)
-                    except OSError as exc:
-                        raise RouterError(f"replica {i} did not start: {exc}") from None
+                    except UsageError:
+                        raise
+                    except (HiCacheError, OSError) as exc:
+                        raise RouterError(f"replica {i} of {replicas} did not start: "
+                                          f"{exc}") from None
                     stack.callback(h.stop)
                     urls.append(h.url)
                 wl = build_workload(cfg)        # fresh sessions: the same prompts each run
                 extra = ([] if cache_threshold is None
-                         else ["--cache-threshold", str(cache_threshold)])
-                with router(urls, policy, extra) as url:
-                    result = runner(wl, LoadConfig(url=url, concurrency=cfg.concurrency,
-                                                   seed=cfg.seed), policy)
+                         else ["--cache-threshold", str(cache_threshold)]) + (router_args or [])
+                with router(urls, policy, extra) as rt:
+                    result = runner(wl, LoadConfig(url=rt.url, concurrency=cfg.concurrency,
+                                                   seed=cfg.seed, timeout=REQUEST_TIMEOUT_S),
+                                    policy)
+                    died = rt.exit_code()
                 computed = [_computed(u) for u in urls]
             summary = summarize_result(result)
             mean = sum(computed) / len(computed)
             summary["replicas"] = {"computed_prompt_tokens": computed,
                                    "load_spread": max(computed) / mean if mean else 1.0}
+            summary["router_exit"] = died
             runs[policy] = summary
     tiers = "L1+L2+L3(file, shared)" if cfg.storage else "L1+L2"
     return {"config": {**dataclasses.asdict(cfg), "shape": cfg.shape(), "hicache_tiers": tiers},
-            "replicas": replicas, "cache_threshold": cache_threshold, "runs": runs, "wall_s": time.perf_counter() - t0}
+            "replicas": replicas, "cache_threshold": cache_threshold,
+            "router_args": router_args or [], "runs": runs, "wall_s": time.perf_counter() - t0}

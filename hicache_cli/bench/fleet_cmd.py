@@ -16,8 +16,9 @@ Replicas = Annotated[int, typer.Option(
     "--replicas", min=1, help="Replay over N replicas (each with the L1/L2 budgets given) "
                               "sharing one L3, behind --router.")]
 Router = Annotated[Optional[str], typer.Option(
-    "--router", help="With --replicas: round-robin, least-load, session, consistent-hash, "
-                     "cache-aware, or a comma list (default: all).")]
+    "--router", help="With --replicas: round-robin, least-load, session (by the trace's "
+                     "session_id where it has one), consistent-hash, cache-aware, or a comma "
+                     "list (default: all).")]
 CacheThreshold = Annotated[float, typer.Option(
     "--cache-threshold", min=0.0, max=1.0, help="cache-aware: route by the prefix tree when "
                                                 "matched / input exceeds this.")]

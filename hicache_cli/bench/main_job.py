@@ -13,6 +13,7 @@ import typer
 
 from engine.loadgen.driver import LoadConfig, LoadResult
 from engine.loadgen.workloads import Workload
+from engine.sim.fleet_job import DEFAULT_CACHE_THRESHOLD as FLEET_THRESHOLD
 from engine.sim.main_job import MainJobConfig, check_config, fitted, run_main_job, title
 from hicache_cli.bench.run_cmd import report_table, run_with_progress
 from hicache_cli.output import OutputFormat, emit_json, fail, handle_errors, stderr, stdout
@@ -54,9 +55,14 @@ def main_job(
                                  "replicas sharing one file L3, once per --router policy."),
     router: str = typer.Option("round_robin,cache_aware", "--router",
                                help="With --replicas: router policies, side by side."),
-    cache_threshold: Optional[float] = typer.Option(
-        None, "--cache-threshold", min=0.0, max=1.0,
-        help="With --replicas: the router's cache_aware match threshold (default: its 0.3)."),
+    cache_threshold: float = typer.Option(
+        FLEET_THRESHOLD, "--cache-threshold", min=0.0, max=1.0,
+        help="With --replicas: the router's cache_aware match threshold. Default 0.5, not the "
+             "router's own 0.3: at 0.3 the default workload's 36% shared prefix sends every "
+             "session to one replica (docs/fleet.md)."),
+    router_args: str = typer.Option(
+        "", "--router-args", help="With --replicas: more sglang-router options, as one string "
+                                  "(e.g. '--balance-abs-threshold 8')."),
 ) -> None:
     """Compare L1 only with HiCache on one workload (embedded server): hit rate per tier, TTFT,
     throughput."""
@@ -72,7 +78,7 @@ def main_job(
         device=device, model=model, seed=seed, threads=threads)
     if replicas is not None:
         _fleet_job(job, replicas, [p.strip() for p in router.split(",") if p.strip()], fmt,
-                   cache_threshold)
+                   cache_threshold, router_args)
     else:
         _main_job(job, fmt)
 
@@ -104,16 +110,26 @@ def _main_job(cfg: MainJobConfig, fmt: OutputFormat) -> None:
 
 @handle_errors
 def _fleet_job(cfg: MainJobConfig, replicas: int, policies: list[str], fmt: OutputFormat,
-               cache_threshold: Optional[float]) -> None:
-    from engine.sim.fleet_job import check_fleet, run_fleet_job
+               cache_threshold: float, router_args: str) -> None:
+    import shlex
+
+    from engine.sim.fleet_job import check_fleet, check_router_args, run_fleet_job
 
     try:
         check_config(cfg)
         check_fleet(replicas, policies)
+        extra = shlex.split(router_args)
+        check_router_args(extra)
     except ValueError as exc:
         fail(str(exc), 2)
-    res = run_fleet_job(fitted(cfg), replicas, policies, _with_progress, cache_threshold)
+    res = run_fleet_job(fitted(cfg), replicas, policies, _with_progress, cache_threshold,
+                        extra)
     failed = {k: r["first_error"] for k, r in res["runs"].items() if r["requests"]["failed"]}
+    for p, r in res["runs"].items():
+        if r["router_exit"] is not None:
+            stderr.print(f"hicache bench: the {p} router died during its run (exit "
+                         f"{r['router_exit']}); its requests after that failed",
+                         highlight=False, markup=False)
     if fmt is OutputFormat.json:
         emit_json(res)
     else:

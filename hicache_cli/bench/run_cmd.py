@@ -191,7 +191,8 @@ def _print_replicas(fig: dict) -> None:
                          f"tokens, {r['computed_tokens']} computed, hit rate "
                          f"{100 * r['hit_rate']:.1f}%", highlight=False)
         else:
-            stdout.print(f"  {r['url']}: no hicache counters", highlight=False)
+            stdout.print(f"  {r['url']}: {r.get('reason', 'no hicache counters')}",
+                         highlight=False)
     stdout.print(f"load spread over the replicas (max / mean computed): {fig['load_spread']:.2f}",
                  highlight=False)
 
