@@ -462,6 +462,11 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=1, help="> 1: the same with pipeline stages")
     ap.add_argument("--round-s", type=float, default=20.0,
                     help="with --tp/--pp: seconds of load per round")
+    ap.add_argument("--diverge-classes", help="with --tp/--pp: a comma-separated subset of "
+                    "the divergence classes (default: every one the shape allows)")
+    ap.add_argument("--keep-dir", default=os.path.join(tempfile.gettempdir(),
+                                                       "hicache-soak-ranks-kept"),
+                    help="with --tp/--pp: where a round that went wrong keeps its rank logs")
     args = ap.parse_args()
     if args.tp > 1 or args.pp > 1:
         from soak_ranks import run_ranks

@@ -172,6 +172,11 @@ def one_round(args, sessions: list, cls: str, rank: int, after: int, unguarded: 
     off = _offline(logs)
     out["offline"] = {"code": off.get("code"), "consistent": off.get("consistent"),
                       "category": (off.get("divergences") or [{}])[0].get("category")}
+    out["problems"] = _verdict(out)
+    if out["problems"] and args.keep_dir:        # the logs and the server's stderr, to study
+        dest = os.path.join(args.keep_dir, f"round-{seed}")
+        shutil.copytree(work, dest, dirs_exist_ok=True)
+        out["kept"] = dest
     shutil.rmtree(work, ignore_errors=True)
     return out
 
@@ -209,6 +214,8 @@ def run_ranks(args) -> dict:
     ref_s = time.monotonic() - t_ref
     rng = random.Random(args.seed)
     names = classes_for(args.tp, args.pp)
+    if args.diverge_classes:
+        names = [n for n in args.diverge_classes.split(",") if n in names] or names
     n_ranks = args.tp * args.pp
     rounds = []
     end = time.monotonic() + args.minutes * 60
@@ -216,7 +223,6 @@ def run_ranks(args) -> dict:
         cls = rng.choice(names)
         r = one_round(args, sessions, cls, rng.randrange(n_ranks), rng.randint(0, 3),
                       rng.random() < 0.5, rng.randrange(1 << 30))
-        r["problems"] = _verdict(r)
         rounds.append(r)
         print(json.dumps({k: r[k] for k in ("spec", "seconds", "online", "problems")}),
               file=sys.stderr, flush=True)

@@ -44,7 +44,10 @@ def _run(rank: int, tmp: str, group, spec: str | None, every: int, keep: bool) -
             online.step_done(step)
         online.check()
     except RankConsensusError as exc:
-        return {"error": str(exc), "step": exc.step, "seq": exc.seq, "kind": exc.kind,
+        n = len(log.events)
+        log.emit(EV.RESTORE_DONE, op=10**6)    # e.g. a copy finishing in the shutdown drain
+        return {"frozen": len(log.events) == n, "error": str(exc), "step": exc.step,
+                "seq": exc.seq, "kind": exc.kind,
                 "category": exc.category, "ranks": exc.ranks, "dir": exc.log_dir,
                 "checks": online.checks}
     return {"error": None, "checks": online.checks, "events": len(log)}
@@ -94,6 +97,7 @@ def test_divergence_stops_every_rank_naming_the_first_divergent_event(results):
     assert (a["category"], a["kind"], a["ranks"], a["step"]) == (
         "hit_length_mismatch", "match", [1], 9)
     assert a["checks"] == 3        # steps 0-3 and 4-7 agreed; the check after step 11 failed
+    assert a["frozen"] and b["frozen"]   # nothing recorded after the loss (the exit rewrites it)
     assert f"rank consensus lost at step 9, seq {a['seq']}" in a["error"]
     assert "rank 1 recorded match (l1_len=" in a["error"]
     assert f"run `hicache consensus-check {a['dir']}`" in a["error"]

@@ -164,6 +164,10 @@ class OnlineConsensus:
         blobs = self._gather_bytes(b"" if mine_ev is None else self._pack(mine_ev))
         events = [msgpack.unpackb(b, raw=False) if b else None for b in blobs]
         path = self._write_log()
+        # Nothing is recorded after the loss: the log this rank writes again on exit must be
+        # the one compared here (a copy that completes during the shutdown drain would
+        # otherwise add, late, the event whose absence was the divergence).
+        self.log.enabled = False
         dist.barrier(group=self.group)   # every rank's log is on disk before anyone stops
         raise self._error(events, first, os.path.dirname(path) or ".")
 
