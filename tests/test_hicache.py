@@ -308,3 +308,31 @@ def test_admit_without_room_holds_nothing():
     assert a.receipt is None and a.n_prefix_pages == 0 and len(a.pages) == 2
     c.free(a.pages)
     assert_healthy(c, idle=True)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_pipeline_stage_counts_an_uncommitted_load_as_l2(pp):
+    """The ranks' cache builder: a pipeline stage's cache (pp > 1) classifies a finished but
+    uncommitted load as L2, as a TP rank's does, so stages whose copies finish at different
+    times still see the same hit (a lone server keeps the L1 hit)."""
+    from engine.cache.facade import CacheConfig
+    from engine.runtime.config import ServerConfig
+    from engine.runtime.ranks.build import make_cache as rank_cache
+    from engine.runtime.topology import Topology
+    from tests.factories import tiny_layout
+
+    cfg = CacheConfig(page_size=2, l1_tokens=4, l2_tokens=16, layout=tiny_layout(2))
+    c = rank_cache(cfg, None, ServerConfig(pp=pp), Topology(pp=pp, rank=0), None)
+    a, b = seq(0, 4), seq(10, 4)
+    serve(c, a)
+    c.wait_all()
+    serve(c, b)
+    c.wait_all()
+    m = c.match(a, rid="x")
+    r = c.lock(m)
+    c.load_back(m).wait()                    # done, not yet committed (no poll)
+    m2 = c.match(a, rid="y")
+    assert (m2.l1_len, m2.l2_len) == ((0, 4) if pp > 1 else (4, 0))
+    c.poll()
+    c.unlock(r)
+    assert_healthy(c, idle=True)

@@ -259,7 +259,11 @@ def make_cache(cache_cfg: CacheConfig, model: Model, cfg: ServerConfig, topo: To
 
         assert groups is not None
         return CPCache(cache_cfg, topo.cp, events=events, rank=topo.cp_rank, group=groups.stage)
-    return HiCache(cache_cfg, events=events)
+    cache = HiCache(cache_cfg, events=events)
+    # pipeline stages classify a match alike too: a load finished on one stage and not yet on
+    # another is L2 on both until pp_sync's agreed commit (found by the PP divergence soak)
+    cache.hit_on_commit = topo.pp > 1
+    return cache
 
 
 def attach_storage(rank: Rank, layout: Any) -> None:
