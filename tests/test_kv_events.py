@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from typing import Optional, Union
 
@@ -21,7 +24,7 @@ from typer.testing import CliRunner
 from engine.core.namespace import parse_text
 from engine.snapshot.take import load_snapshot
 from hicache_cli.app import app
-from tests.serve_client import SCRIPT, generate, prompt, spawn
+from tests.serve_client import ROOT, SCRIPT, generate, prompt, spawn
 
 
 # -- SGLang's structs, as an independent decoder ----------------------------------------------
@@ -220,6 +223,50 @@ def test_events_rebuild_the_snapshot_tree_per_medium(served, tmp_path):
     metrics = requests.get(url + "/metrics", timeout=10).text
     assert "hicache_kv_events_dropped_total 0" in metrics
     assert f"hicache_kv_events_published_total {len(index.seqs)}" in metrics
+
+    # record-events (replay from 0, then live) -> inspect shows the snapshot's tiers
+    rec = tmp_path / "events.kvev"
+    done = subprocess.run(
+        [sys.executable, "-m", "hicache_cli.app", "bench", "record-events", "--endpoint",
+         cfg["endpoint"], "--replay-endpoint", cfg["replay_endpoint"], "--topic", "kv",
+         "--out", str(rec), "--duration", "0.5", "--format", "json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["batches"] == len(index.seqs)
+    views = []
+    for f in (rec, tmp_path / "b.snapshot"):
+        res = CliRunner().invoke(app, ["inspect", str(f), "--format", "json"])
+        assert res.exit_code == 0, res.output
+        views.append(json.loads(res.output)["summary"])
+    assert views[0]["tiers"] == {t: {**v, "capacity": None, "used": None}
+                                 for t, v in views[1]["tiers"].items()}
+    assert views[0]["pages"] == views[1]["pages"] and views[0]["namespaces"] == 1
+    human = CliRunner().invoke(app, ["inspect", str(rec)])
+    assert human.exit_code == 0 and "L1" in human.output
+
+
+def test_inspect_refuses_a_corrupt_or_truncated_recording(tmp_path):
+    from formats import kv_events as kv
+
+    good = tmp_path / "good.kvev"
+    with open(good, "wb") as f:
+        kv.write_header(f, {"endpoint": "tcp://127.0.0.1:1"})
+        ev = kv.block_stored([5, 6], None, list(range(32)), 16, "GPU")
+        kv.write_frame(f, b"", 0, kv.encode_batch([ev]))
+    res = CliRunner().invoke(app, ["inspect", str(good), "--format", "json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["summary"]["tiers"]["L1"]["tokens"] == 32
+    data = good.read_bytes()
+    cases = {"truncated": data[:-5], "magic": b"XX" + data[2:],
+             "payload": data[:-40] + b"\xc1" * 40,
+             "huge": data[:len(data) - len(data) + 8] + (1 << 30).to_bytes(4, "big")}
+    for name, body in cases.items():
+        bad = tmp_path / f"{name}.kvev"
+        bad.write_bytes(body)
+        res = CliRunner().invoke(app, ["inspect", str(bad)])
+        assert res.exit_code == 1, (name, res.output)
+        assert "Traceback" not in res.output and len(res.output.strip().splitlines()) == 1, \
+            (name, res.output)
 
 
 def test_namespaces_never_share_block_hashes(served):
