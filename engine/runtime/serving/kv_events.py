@@ -24,6 +24,7 @@ import json
 import logging
 import re
 import threading
+import time
 from typing import Any
 
 from engine.core.hashing import namespace_seed, page_hashes
@@ -408,3 +409,101 @@ class KVEventsService:
                  "tree syncs that looked for changed blocks", self.syncs)]
         return "".join(f"# HELP {n} {h}\n# TYPE {n} {t}\n{n} {v}\n" for n, t, h, v in rows)
 
+
+
+# ------------------------------------------------------------------------------ recording
+@dataclasses.dataclass
+class RecordResult:
+    batches: int = 0
+    first_seq: int | None = None
+    last_seq: int | None = None
+    stopped_by: str = "stop"
+    size: int = 0
+
+
+def record(endpoint: str, out: str, *, topic: str = "", replay: str | None = None,
+           duration: float | None = None, count: int | None = None,
+           max_bytes: int = 1 << 30, stop: threading.Event | None = None) -> RecordResult:
+    """Subscribe to ``endpoint`` and write what arrives to ``out`` (``hicache bench
+    record-events``): with ``replay``, first every batch the server still buffers (from
+    sequence 0), then live ones (a sequence already written is skipped). Stops after
+    ``duration`` seconds, ``count`` batches, before passing ``max_bytes``, or at ``stop``.
+    ``ValueError``: an endpoint zmq refuses, or a replay socket that does not answer."""
+    import zmq
+
+    from formats.outpath import atomic_output
+
+    stop = stop or threading.Event()
+    res = RecordResult()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.MAXMSGSIZE, wire.MAX_PAYLOAD_BYTES + 8192)
+    try:
+        try:
+            sub.connect(endpoint)
+            sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        except zmq.ZMQError as exc:
+            raise ValueError(f"{endpoint}: {exc.strerror}") from None
+        t0 = time.monotonic()
+        with atomic_output(out) as f:
+            wire.write_header(f, {"endpoint": endpoint, "topic": topic,
+                                  "started_at": time.time()})
+
+            def keep(frames: list) -> bool:
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    return True                   # not a KV-event message: skipped
+                seq = int.from_bytes(frames[1], "big")
+                if res.last_seq is not None and seq <= res.last_seq:
+                    return True                   # already written (replayed, then live)
+                grow = len(frames[0]) + len(frames[2]) + 64
+                if res.size + grow > max_bytes:
+                    res.stopped_by = "size limit"
+                    return False
+                wire.write_frame(f, frames[0], seq, frames[2])
+                res.size += grow
+                res.batches += 1
+                res.first_seq = seq if res.first_seq is None else res.first_seq
+                res.last_seq = seq
+                if count is not None and res.batches >= count:
+                    res.stopped_by = "count"
+                    return False
+                return True
+
+            going = True if replay is None else _replay_into(ctx, replay, keep)
+            while going and not stop.is_set():
+                if duration is not None and time.monotonic() - t0 >= duration:
+                    res.stopped_by = "duration"
+                    break
+                if sub.poll(100):
+                    going = keep(sub.recv_multipart())
+    finally:
+        sub.close(0)
+        ctx.term()
+    return res
+
+
+def _replay_into(ctx: Any, endpoint: str, keep: Any) -> bool:
+    import zmq
+
+    req = ctx.socket(zmq.DEALER)
+    req.setsockopt(zmq.LINGER, 0)
+    try:
+        try:
+            req.connect(endpoint)
+        except zmq.ZMQError as exc:
+            raise ValueError(f"{endpoint}: {exc.strerror}") from None
+        req.send_multipart([b"", (0).to_bytes(8, "big")])
+        while True:
+            if not req.poll(10_000):
+                raise ValueError(f"replay endpoint {endpoint}: no answer in 10 s")
+            frames = req.recv_multipart()
+            if len(frames) != 4:
+                continue
+            _, topic, seq, payload = frames
+            if seq == wire.END_SEQ:
+                return True
+            if not keep([topic, seq, payload]):
+                return False
+    finally:
+        req.close(0)
