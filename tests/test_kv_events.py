@@ -177,7 +177,7 @@ def served(tmp_path_factory):
     sub.connect(cfg["endpoint"])
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
     try:
-        yield proc, url, sub, cfg, ctx
+        yield proc, url, sub, cfg, ctx, Index()       # one index: a router's, all along
     finally:
         sub.close(0)
         proc.send_signal(signal.SIGINT)
@@ -187,14 +187,13 @@ def served(tmp_path_factory):
 
 
 def test_events_rebuild_the_snapshot_tree_per_medium(served, tmp_path):
-    proc, url, sub, cfg, ctx = served
+    proc, url, sub, cfg, ctx, index = served
     info = requests.get(url + "/server_info", timeout=10).json()["kv_events"]
     assert info["publisher"] == "zmq" and info["endpoint_host"] == "127.0.0.1"
     assert info["endpoint_port_base"] == int(cfg["endpoint"].rsplit(":", 1)[1])
     assert info["block_size"] == 16 and info["topic"] == "kv" and info["dp_size"] == 1
     assert info["replay_endpoint_port_base"] == int(cfg["replay_endpoint"].rsplit(":", 1)[1])
     time.sleep(0.3)                                    # the subscription reaches the PUB
-    index = Index()
     checked = 0
     for k, ids in enumerate(SCRIPT):                  # inserts, L1 -> L2 evictions, L3 backups
         generate(url, ids)
@@ -270,18 +269,18 @@ def test_inspect_refuses_a_corrupt_or_truncated_recording(tmp_path):
 
 
 def test_namespaces_never_share_block_hashes(served):
-    proc, url, sub, cfg, _ctx = served
-    drain(sub, Index(), 0.3)
+    proc, url, sub, cfg, _ctx, index = served
+    drain(sub, index, 0.3)
+    mark = len(index.stored)
     ids = prompt(64, 7)
     for salt in (None, "A", "B"):
         body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
         if salt is not None:
             body["cache_salt"] = salt
         assert requests.post(url + "/generate", json=body, timeout=60).status_code == 200
-    index = Index()
     drain(sub, index)
     by_salt: dict = {}
-    for ev in index.stored:
+    for ev in index.stored[mark:]:
         if ev.medium == "GPU":
             by_salt.setdefault(ev.cache_salt, set()).update(ev.block_hashes)
             assert ev.token_ids[:16] == ids[:16] or ev.parent_block_hash is not None
@@ -290,7 +289,8 @@ def test_namespaces_never_share_block_hashes(served):
     assert not (by_salt[None] & by_salt["A"]) and not (by_salt["A"] & by_salt["B"]) \
         and not (by_salt[None] & by_salt["B"])
     # the roots' blocks (same tokens) have no parent: only the namespace tells them apart
-    roots = [ev for ev in index.stored if ev.medium == "GPU" and ev.parent_block_hash is None]
+    roots = [ev for ev in index.stored[mark:] if ev.medium == "GPU"
+             and ev.parent_block_hash is None]
     assert len({ev.block_hashes[0] for ev in roots}) == 3
 
 
