@@ -320,3 +320,23 @@ def test_port_in_use_is_one_line_exit_2():
                                                    "endpoint": f"tcp://127.0.0.1:{port}"})])
     assert res.exit_code == 2, res.output
     assert "cannot bind" in res.output and "Traceback" not in res.output
+
+
+def test_flush_sends_all_blocks_cleared(served, tmp_path):
+    """``/flush_cache`` drops L1 and L2 and the tree's nodes with them (L3's objects stay in
+    the store, but the tree no longer names them): AllBlocksCleared, and nothing stored."""
+    proc, url, sub, cfg, _ctx, index = served
+    drain(sub, index, 0.3)
+    assert index.media.get("DISK"), "the earlier tests backed pages up to L3"
+    mark = len(index.seqs)
+    assert requests.post(url + "/flush_cache", timeout=30).status_code == 200
+    drain(sub, index)
+    batches = replay(cfg["replay_endpoint"], mark, _ctx)
+    first = DECODER.decode(batches[0][1]).events
+    assert isinstance(first[0], AllBlocksCleared)
+    snapshot(url, tmp_path / "flushed.snapshot")
+    want = expected_blocks(tmp_path / "flushed.snapshot", "DISK")
+    assert want == {"GPU": {}, "CPU_PINNED": {}, "DISK": {}}
+    assert all(not blocks for blocks in index.media.values())
+    assert all(not isinstance(ev, BlockStored) for _, b in batches
+               for ev in DECODER.decode(b).events)
