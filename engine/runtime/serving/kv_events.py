@@ -25,7 +25,7 @@ import logging
 import re
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from engine.core.hashing import namespace_seed, page_hashes
 from engine.core.namespace import as_namespace
@@ -223,88 +223,131 @@ def medium_of_l3(backend: str | None) -> str:
     return wire.DISK if backend == "file" else wire.EXTERNAL
 
 
+class _Entry:
+    """What was last published of one node: its blocks and the tiers holding them."""
+
+    __slots__ = ("hashes", "pages", "parent", "tiers", "salt", "lora")
+
+    def __init__(self, hashes: list[int], pages: list[tuple], parent: int | None,
+                 tiers: tuple, salt: str | None, lora: str | None):
+        self.hashes, self.pages, self.parent = hashes, pages, parent
+        self.tiers, self.salt, self.lora = tiers, salt, lora
+
+    def blocks(self, medium: str, l3_medium: str) -> range:
+        """Indices of the blocks ``medium`` holds (L3: a prefix of the edge)."""
+        l1, l2, l3 = self.tiers
+        n = len(self.hashes)
+        if medium == wire.GPU:
+            return range(n if l1 else 0)
+        if medium == wire.CPU_PINNED:
+            return range(n if l2 else 0)
+        return range(min(l3, n) if medium == l3_medium else 0)
+
+
 class BlockTracker:
-    """The blocks each tier of a cache's tree holds, and the events between two lists."""
+    """The blocks each tier of a cache's tree holds, and the events between two syncs.
+
+    A sync walks the nodes; a node whose pages and tiers are what was last published costs a
+    comparison. The pages of changed nodes (new, split, moved between tiers, gone) are compared
+    block by block, per medium: a split moves blocks between nodes and publishes nothing."""
 
     def __init__(self, tree: Any, l3_medium: str):
         self.tree = tree
         self.l3_medium = l3_medium
+        self.media = (wire.GPU, wire.CPU_PINNED, l3_medium)
         self.page_size = tree.page_size
-        self._hashes: dict[int, tuple[bytes | None, int, list[bytes]]] = {}   # node id -> …
-        self.last: dict[str, dict[int, tuple]] = {}
+        self._hashes: dict[int, tuple[bytes | None, int, list[bytes], list[int]]] = {}
+        self._published: dict[int, _Entry] = {}      # node id -> entry
         self.cleared = False        # a flush since the last sync
 
-    def _node_hashes(self, node: Any, prev: bytes | None) -> list[bytes]:
+    def _node_hashes(self, node: Any, prev: bytes | None) -> tuple[list[bytes], list[int]]:
         n = len(node.tokens) // self.page_size
         hit = self._hashes.get(node.id)
         if hit is not None and hit[0] == prev and hit[1] == n:
-            return hit[2]
+            return hit[2], hit[3]
         seed = prev if prev is not None else namespace_seed(node.namespace)
-        hs = page_hashes(node.tokens, self.page_size, seed)
-        self._hashes[node.id] = (prev, n, hs)
-        return hs
+        digests = page_hashes(node.tokens, self.page_size, seed)
+        ints = [wire.block_hash_of(d) for d in digests]
+        self._hashes[node.id] = (prev, n, digests, ints)
+        return digests, ints
 
-    def blocks(self) -> dict[str, dict[int, tuple]]:
-        """``{medium: {hash: (parent, tokens, cache_salt, lora_name)}}``, parents first."""
-        out: dict[str, dict[int, tuple]] = {wire.GPU: {}, wire.CPU_PINNED: {},
-                                             self.l3_medium: {}}
-        seen: set[int] = set()
-        p = self.page_size
+    def _walk(self) -> Iterator[tuple[Any, list[bytes], list[int], int | None, Any]]:
         for root in list(self.tree.roots.values()):
             ns = as_namespace(root.namespace)
-            salt = ns.cache_salt if ns is not None else None
-            lora = ns.lora_path if ns is not None else None
             stack = [(child, None, None) for child in root.children.values()]
             while stack:
                 node, prev_digest, parent = stack.pop()
-                seen.add(node.id)
-                hs = self._node_hashes(node, prev_digest)
-                toks = node.tokens
-                l1, l2, l3 = node.l1 is not None, node.l2 is not None, int(node.l3 or 0)
-                for i, digest in enumerate(hs):
-                    h = wire.block_hash_of(digest)
-                    rec = (parent, tuple(int(t) for t in toks[i * p:(i + 1) * p]), salt, lora)
-                    if l1:
-                        out[wire.GPU][h] = rec
-                    if l2:
-                        out[wire.CPU_PINNED][h] = rec
-                    if i < l3:
-                        out[self.l3_medium][h] = rec
-                    parent = h
-                last_digest = hs[-1] if hs else prev_digest
-                stack.extend((c, last_digest, parent) for c in node.children.values())
-        if len(self._hashes) > 2 * max(len(seen), 1024):     # forget nodes gone from the tree
-            self._hashes = {k: v for k, v in self._hashes.items() if k in seen}
+                digests, ints = self._node_hashes(node, prev_digest)
+                yield node, digests, ints, parent, ns
+                last = digests[-1] if digests else prev_digest
+                last_h = ints[-1] if ints else parent
+                stack.extend((c, last, last_h) for c in node.children.values())
+
+    def blocks(self) -> dict[str, dict[int, tuple]]:
+        """``{medium: {hash: (parent, tokens, cache_salt, lora_name)}}`` of what was last
+        published (for tests and tools)."""
+        out: dict[str, dict[int, tuple]] = {m: {} for m in self.media}
+        for e in self._published.values():
+            for m in self.media:
+                for i in e.blocks(m, self.l3_medium):
+                    out[m][e.hashes[i]] = (e.parent if i == 0 else e.hashes[i - 1],
+                                           e.pages[i], e.salt, e.lora)
         return out
 
     def sync(self) -> list[dict]:
-        """The events from the last list to now (on the scheduler thread)."""
-        now = self.blocks()
+        """The events from the last sync to now (on the scheduler thread)."""
+        p = self.page_size
         events: list[dict] = []
+        old_pub = self._published
         if self.cleared:
             self.cleared = False
             events.append(wire.all_cleared())
-            self.last = {}
-        for medium in now:
-            old, new = self.last.get(medium, {}), now[medium]
-            gone = [h for h in old if h not in new]
+            old_pub = {}
+        new_pub: dict[int, _Entry] = {}
+        changed_old: list[_Entry] = []
+        changed_new: list[_Entry] = []
+        for node, _digests, ints, parent, ns in self._walk():
+            tiers = (node.l1 is not None, node.l2 is not None, int(node.l3 or 0))
+            e = old_pub.get(node.id)
+            if e is not None and e.hashes is ints and e.tiers == tiers and e.parent == parent:
+                new_pub[node.id] = e
+                continue
+            toks = node.tokens.tolist()
+            pages = [tuple(toks[i * p:(i + 1) * p]) for i in range(len(ints))]
+            ne = _Entry(ints, pages, parent, tiers, ns.cache_salt if ns else None,
+                        ns.lora_path if ns else None)
+            new_pub[node.id] = ne
+            changed_new.append(ne)
+            if e is not None:
+                changed_old.append(e)
+        changed_old.extend(e for nid, e in old_pub.items() if nid not in new_pub)
+        for m in self.media:
+            had = {e.hashes[i] for e in changed_old for i in e.blocks(m, self.l3_medium)}
+            has = {e.hashes[i] for e in changed_new for i in e.blocks(m, self.l3_medium)}
+            gone = [h for h in had if h not in has]
             if gone:
-                events.append(wire.block_removed(gone, medium))
-        for medium in now:
-            old, new = self.last.get(medium, {}), now[medium]
+                events.append(wire.block_removed(gone, m))
+        for m in self.media:
+            had = {e.hashes[i] for e in changed_old for i in e.blocks(m, self.l3_medium)}
             chain: dict | None = None
-            for h, (parent, toks, salt, lora) in new.items():
-                if h in old and old[h] == new[h]:
-                    continue
-                if chain is not None and chain["block_hashes"][-1] == parent and \
-                        chain.get("cache_salt") == salt and chain.get("lora_name") == lora:
-                    chain["block_hashes"].append(h)
-                    chain["token_ids"].extend(toks)
-                    continue
-                chain = wire.block_stored([h], parent, list(toks), self.page_size, medium,
-                                          cache_salt=salt, lora_name=lora)
-                events.append(chain)
-        self.last = now
+            for e in changed_new:
+                for i in e.blocks(m, self.l3_medium):
+                    h = e.hashes[i]
+                    if h in had:
+                        continue
+                    parent = e.parent if i == 0 else e.hashes[i - 1]
+                    if chain is not None and chain["block_hashes"][-1] == parent and \
+                            chain.get("cache_salt") == e.salt and \
+                            chain.get("lora_name") == e.lora:
+                        chain["block_hashes"].append(h)
+                        chain["token_ids"].extend(e.pages[i])
+                        continue
+                    chain = wire.block_stored([h], parent, list(e.pages[i]), p, m,
+                                              cache_salt=e.salt, lora_name=e.lora)
+                    events.append(chain)
+        self._published = new_pub
+        if len(self._hashes) > 2 * max(len(new_pub), 1024):   # forget nodes gone from the tree
+            self._hashes = {k: v for k, v in self._hashes.items() if k in new_pub}
         return events
 
 
