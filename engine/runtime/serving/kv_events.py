@@ -38,7 +38,8 @@ PUBLISHERS = ("zmq", "null")
 KEYS = ("publisher", "endpoint", "replay_endpoint", "buffer_steps", "hwm", "max_queue_size",
         "topic", "bind", "format")
 TICK_S = 0.02
-"""How often the ticker looks for a changed tree (a sync runs only after a change)."""
+"""How often the ticker looks for a changed tree (a sync runs only after a change); after a
+sync it waits at least four times as long as the sync took."""
 _TCP = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-*]+):(\d{1,5})$")
 
 
@@ -392,6 +393,7 @@ class KVEventsService:
             if not self._dirty.wait(0.2):
                 continue
             self._dirty.clear()
+            t0 = time.monotonic()
             try:
                 self.engine.scheduler.call(self.sync_now).result(timeout=30)
             except Exception as exc:  # noqa: BLE001 - a stopped scheduler; logged, retried
@@ -400,7 +402,8 @@ class KVEventsService:
                 if self._stop.wait(0.2):
                     return
                 self._dirty.set()
-            self._stop.wait(TICK_S)
+            # at most a fifth of the scheduler thread's time goes to syncs (a large tree)
+            self._stop.wait(max(TICK_S, 4 * (time.monotonic() - t0)))
 
     def sync_now(self) -> None:
         """Publish the tree's changes now (the scheduler thread, or a stopped scheduler)."""
