@@ -340,3 +340,19 @@ def test_flush_sends_all_blocks_cleared(served, tmp_path):
     assert all(not blocks for blocks in index.media.values())
     assert all(not isinstance(ev, BlockStored) for _, b in batches
                for ev in DECODER.decode(b).events)
+
+
+def test_inspect_survives_a_parent_cycle(tmp_path):
+    from formats import kv_events as kv
+
+    rec = tmp_path / "cycle.kvev"
+    with open(rec, "wb") as f:
+        kv.write_header(f, {})
+        events = [kv.block_stored([7], 7, list(range(16)), 16, "GPU"),      # its own parent
+                  kv.block_stored([8], 9, list(range(16)), 16, "GPU"),
+                  kv.block_stored([9], 8, list(range(16)), 16, "GPU"),
+                  kv.block_stored([1, 2], None, list(range(32)), 16, "GPU")]
+        kv.write_frame(f, b"", 0, kv.encode_batch(events))
+    res = CliRunner().invoke(app, ["inspect", str(rec), "--format", "json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["summary"]["tiers"]["L1"]["tokens"] == 32

@@ -5,7 +5,8 @@ into the blocks each medium holds; the blocks become snapshot nodes (one per run
 a parent has as its only child, with the same media), so every snapshot view — summary, tree,
 hot prefixes, prompt hits, diff — reads it like a snapshot. Media map to tiers: ``GPU`` L1,
 ``CPU_PINNED`` L2, ``DISK``/``EXTERNAL`` L3. Page ids are not on the wire: the nodes get
-numbered placeholders; hit counts, locks and access times are 0.
+numbered placeholders; hit counts, locks and access times are 0. Blocks whose parent links
+never reach a root (a cycle in a hostile stream) are left out.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def records_of_state(state: kv.BlockState) -> tuple[int, list[fmt.NodeRecord]]:
     roots = sorted({k[1] for k in kids if isinstance(k, tuple)},
                    key=lambda s: (s is not None, s or ""))
     out: list[fmt.NodeRecord] = []
+    seen: set[int] = set()
     next_id = 0
     counters = {1: 0, 2: 0}
 
@@ -67,9 +69,14 @@ def records_of_state(state: kv.BlockState) -> tuple[int, list[fmt.NodeRecord]]:
         stack = [(h, root_id) for h in sorted(kids.get(("root", ns), []), reverse=True)]
         while stack:
             h, parent_id = stack.pop()
+            if h in seen:                   # a hostile stream's parent cycle
+                continue
+            seen.add(h)
             run = [h]
-            while len(kids.get(run[-1], ())) == 1 and bits[kids[run[-1]][0]] == bits[h]:
+            while len(kids.get(run[-1], ())) == 1 and bits[kids[run[-1]][0]] == bits[h] \
+                    and kids[run[-1]][0] not in seen:
                 run.append(kids[run[-1]][0])
+                seen.add(run[-1])
             b = bits[h]
             toks = np.array([t for x in run for t in blocks[x].tokens], dtype="<u4")
             node_id = next_id
@@ -79,7 +86,8 @@ def records_of_state(state: kv.BlockState) -> tuple[int, list[fmt.NodeRecord]]:
                 pages(1, len(run)).tobytes() if b & 1 else None,
                 pages(2, len(run)).tobytes() if b & 2 else None,
                 len(run) if b & 4 else 0))
-            stack.extend((c, node_id) for c in sorted(kids.get(run[-1], []), reverse=True))
+            stack.extend((c, node_id) for c in sorted(kids.get(run[-1], []), reverse=True)
+                         if c not in seen)
     return page, out
 
 
