@@ -7,8 +7,8 @@ import typer
 bench_app = typer.Typer(
     help="Benchmark the cache: the all-in-one main job (no sub-command), the benchmark server "
          "(serve), the load generator (run), offline trace replay (replay), trace conversion "
-         "to Parquet/Arrow (convert-trace) and the server's tokenizer as a Hugging Face "
-         "directory (export-tokenizer).",
+         "to Parquet/Arrow (convert-trace), the server's tokenizer as a Hugging Face "
+         "directory (export-tokenizer) and a server's KV events to a file (record-events).",
     invoke_without_command=True,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
@@ -32,6 +32,9 @@ serve_cmd.register(bench_app)
 from hicache_cli.bench import tokenizer_cmd  # noqa: E402
 
 tokenizer_cmd.register(bench_app)
+from hicache_cli.bench import record_cmd  # noqa: E402
+
+record_cmd.register(bench_app)
 
 
 def register(app: typer.Typer) -> None:

@@ -143,9 +143,21 @@ def snapshot_filename(rank: int) -> str:
 
 # ------------------------------------------------------------------------------------ loading
 def load_snapshot(path: str | os.PathLike) -> "SnapshotTree":
-    """Read a snapshot file. Bad input raises :class:`~engine.core.errors.InputError` (one line)."""
+    """Read a snapshot file — or a KV-event recording (``hicache bench record-events``), read
+    as the tree its events imply (:mod:`engine.snapshot.from_events`). Bad input raises
+    :class:`~engine.core.errors.InputError` (one line)."""
+    from formats.kv_events import is_recording
+
     try:
-        data = fmt.read_snapshot(path)
+        if is_recording(path):
+            import io
+
+            from engine.snapshot.from_events import load_recording
+
+            body, _ = load_recording(path)
+            data = fmt.read_snapshot(io.BytesIO(body))
+        else:
+            data = fmt.read_snapshot(path)
     except FormatError as exc:
         raise InputError(str(exc)) from None
     return SnapshotTree(data, os.fspath(path))

@@ -263,8 +263,16 @@ DebugDiverge = Annotated[Optional[str], _O(
     "clock, host-alloc; docs/parallelism.md); unguarded also turns off the agreement that "
     "prevents it.")]
 
+KvEvents = Annotated[Optional[str], _O(
+    "--kv-events-config", metavar="JSON",
+    help="Publish the cache's block events for KV-aware routers as SGLang does (ZMQ PUB, "
+    "docs/kv-events.md), e.g. '{\"publisher\": \"zmq\", \"endpoint\": "
+    "\"tcp://127.0.0.1:5557\"}'; keys: publisher (zmq|null), endpoint (binds 127.0.0.1 "
+    "unless another host is written), replay_endpoint, buffer_steps, hwm, max_queue_size, "
+    "topic.")]
+
 # Parameters of serve_cmd that are not ServerConfig fields (every other one is, by name).
-CLI_ONLY = frozenset({"ctx", "dump_tree_on_exit", "log_level", "fmt"})
+CLI_ONLY = frozenset({"ctx", "dump_tree_on_exit", "log_level", "fmt", "kv_events_config"})
 
 
 def serve_cmd(
@@ -299,7 +307,7 @@ def serve_cmd(
     collective_timeout_s: CollectiveTimeout = 60.0,
     rank_heartbeat_timeout_s: HeartbeatTimeout = 5.0,
     consensus_check: ConsensusCheck = ConsensusMode.off, consensus_every: ConsensusEvery = 8,
-    debug_diverge: DebugDiverge = None,
+    debug_diverge: DebugDiverge = None, kv_events_config: KvEvents = None,
     log_level: Level = LogLevel.warning, fmt: Format = OutputFormat.human,
 ) -> None:
     """Run the benchmark server until Ctrl-C / SIGTERM (--format json: also one JSON line with
@@ -329,6 +337,8 @@ def _serve_cmd(ctx: typer.Context, opts: dict, log_level: LogLevel, fmt: OutputF
     disaggregation = opts["disaggregation"]
     disaggregation = disaggregation.value if isinstance(disaggregation, enum.Enum) \
         else disaggregation
+    kv_events = _kv_events_config(opts.pop("kv_events_config", None), disaggregation,
+                                  opts["node_rank"])
     _prepare(log_level, disaggregation)
     cfg = _server_config(opts)
     if disaggregation in ("prefill", "decode"):
@@ -343,7 +353,22 @@ def _serve_cmd(ctx: typer.Context, opts: dict, log_level: LogLevel, fmt: OutputF
     if cfg.node_rank > 0:
         _serve_node(cfg, fmt)
         return
-    _serve(cfg, fmt, dump_path)
+    _serve(cfg, fmt, dump_path, kv_events)
+
+
+def _kv_events_config(text: Optional[str], disaggregation: Optional[str], node_rank: int):
+    """``--kv-events-config``, parsed (a bad one is a usage error before anything starts)."""
+    if text is None:
+        return None
+    from engine.runtime.serving.kv_events import parse_config
+
+    if disaggregation or node_rank > 0:
+        raise UsageError("--kv-events-config: one server's cache only (not with "
+                         "--disaggregation or --node-rank > 0)")
+    try:
+        return parse_config(text)
+    except ValueError as exc:
+        raise UsageError(f"--kv-events-config: {exc}") from None
 
 
 LOADING_NOTE_S = 2.0
@@ -484,11 +509,22 @@ def _dump_path(dump_tree_on_exit: Optional[str], cfg) -> tuple[Optional[Path], A
     return dump_path, cfg
 
 
-def _serve(cfg, fmt: OutputFormat, dump_path: Optional[Path]) -> None:
+def _serve(cfg, fmt: OutputFormat, dump_path: Optional[Path], kv_events: Any = None) -> None:
     from engine.runtime.launch import Engine, serve
+
+    events = None
+    if kv_events is not None:             # bind now: a port in use is a usage error
+        from engine.runtime.serving.kv_events import KVEventsService
+
+        try:
+            events = KVEventsService(kv_events)
+        except OSError as exc:
+            fail(f"--kv-events-config: {exc.strerror or exc}", code=2)
 
     def ready(url: str, engine: Engine) -> None:
         _loaded()
+        if events is not None:
+            events.attach(engine, cfg.hicache_storage_backend)
         d = engine.describe()
         if fmt is OutputFormat.json:      # one line, so a parent can read it as it comes
             sys.stdout.write(json.dumps({"url": url, **d}) + "\n")
@@ -503,6 +539,8 @@ def _serve(cfg, fmt: OutputFormat, dump_path: Optional[Path]) -> None:
     def on_exit(engine: Engine) -> None:
         if engine.failure:                # a CP rank died or hung: exit 1 after the stop
             failure.append(engine.failure)
+        if events is not None:            # the last changes, then the sockets
+            events.close()
         if dump_path is not None:
             from engine.snapshot.take import write_snapshot
 
@@ -520,6 +558,9 @@ def _serve(cfg, fmt: OutputFormat, dump_path: Optional[Path]) -> None:
                                                   errno.EACCES):
             fail(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror}")
         raise
+    finally:
+        if events is not None:
+            events.close()
 
 
 def register(bench_app: typer.Typer) -> None:

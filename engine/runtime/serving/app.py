@@ -343,6 +343,8 @@ async def metrics(request: web.Request) -> web.Response:
                          "write_policy", "l3")}
         text = prom.render(sched.metrics, engine.cache.stats(), sched.num_running(),
                            sched.num_waiting(), info)
+        if getattr(engine, "kv_events", None) is not None:
+            text += engine.kv_events.metrics_text()
         return text + engine.extra_metrics()     # P/D decode worker: the link's audit
 
     text = await _on_scheduler(engine, collect)

@@ -52,6 +52,8 @@ async def server_info(request: web.Request) -> web.Response:
                              "max_total_num_tokens": engine.cfg.l1_tokens,
                              "avg_spec_accept_length": (d["speculative"] or {}).get(
                                  "accept_length")}],
+        "kv_events": None if getattr(engine, "kv_events", None) is None
+        else engine.kv_events.describe(engine.cfg.page_size),
         "cache": stats})
 
 

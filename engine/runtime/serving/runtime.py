@@ -50,6 +50,7 @@ class Engine:
             self.rank.l2_tokens
         self.failure: str | None = None      # why a rank group stopped (a rank died or hung)
         self.on_failure: Callable[[str], None] | None = None   # the foreground server: stop
+        self.kv_events: Any = None           # the KV-event publisher (serving.kv_events)
         self.num_params = self.rank.full_config.num_params()   # of the whole model
         self.tokenizer: Tokenizer | None = model_tokenizer(cfg.model, self.model.cfg)
         self.model_name = cfg.served_model_name or self.model.cfg.name
