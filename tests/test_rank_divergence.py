@@ -25,6 +25,9 @@ WORK = SCRIPT + [prompt(17 * (i % 5) + 40, 50 + i) for i in range(12)]
 # an extra eviction on the smaller rank: the first differing event, aligned by sequence number
 # (online) or with the logs' context (offline), is an extra event or a lock taken elsewhere
 CAPACITY = ("eviction_eligibility_divergence", "missing_events", "lock_order_mismatch")
+# another victim on one rank: its evict pass names other nodes, or the next event differs
+EVICT = ("eviction_eligibility_divergence", "missing_events", "lock_order_mismatch",
+         "hit_length_mismatch", "event_mismatch")
 # case -> (the injection, the shape, the consensus categories its first symptom can fall in:
 # docs/parallelism.md maps each class to them)
 CASES = {
@@ -41,6 +44,14 @@ CASES = {
     "ack-order-pp2": ("ack-order@1", dict(pp=2), ("pp_ack_consumption_mismatch",
                                                   "restore_completion_mismatch",
                                                   "missing_events")),
+    # a backup issued on one rank only: the next event differs in kind (often a lock)
+    "backup-alloc-tp2": ("backup-alloc@1", dict(tp=2), ("event_mismatch", "missing_events",
+                                                        "lock_order_mismatch",
+                                                        "restore_completion_mismatch")),
+    "l3-exists-pp2": ("l3-exists@1", dict(pp=2), ("hit_length_mismatch", "event_mismatch",
+                                                  "missing_events")),
+    "evict-order-tp2": ("evict-order@1", dict(tp=2), EVICT),
+    "evict-order-pp2": ("evict-order@1", dict(pp=2), EVICT),
 }
 
 
@@ -49,7 +60,7 @@ def _cfg(tmp_path, **kw) -> ServerConfig:
                         collective_timeout_s=60, **kw)
 
 
-L3_CLASSES = ("prefetch-count", "clock", "host-alloc")
+L3_CLASSES = ("prefetch-count", "clock", "host-alloc", "l3-exists")
 
 
 def _storage(tmp_path, name: str, spec: str) -> dict:
