@@ -150,13 +150,15 @@ def test_unguarded_the_online_check_stops_in_one_line_and_the_logs_name_it(tmp_p
                           "--debug-diverge", spec + ",unguarded", "--consensus-check", "online",
                           "--consensus-every", "1", "--collective-timeout", "60", stderr=err)
     errors = []
+    sent = []                            # the request ids, in order
     try:
         for _round in range(2 if l3 else 1):
-            for ids in WORK:
+            for i, ids in enumerate(WORK):
+                sent.append(f"req-{_round}-{i}")
                 try:
                     r = requests.post(url + "/generate", timeout=120, json={
-                        "input_ids": ids, "sampling_params": {"max_new_tokens": 6,
-                                                              "ignore_eos": True}})
+                        "input_ids": ids, "rid": sent[-1],
+                        "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}})
                 except requests.ConnectionError:
                     break                                 # it stopped
                 if r.status_code != 200:
@@ -181,4 +183,16 @@ def test_unguarded_the_online_check_stops_in_one_line_and_the_logs_name_it(tmp_p
     out = _consistent(logs)                  # offline, on the logs the ranks wrote
     assert out["code"] == 3 and out["consistent"] is False, out
     assert online in category, (online, category)
-    assert out["divergences"][0]["category"] in category, out
+    first = out["divergences"][0]
+    assert first["category"] in category, out
+    # the trigger: one of the requests sent, arrived no later than the divergence
+    trigger = first["trigger_request"]
+    assert trigger is not None and trigger["rid"] in sent, (trigger, sent)
+    assert trigger["arrival_step"] is not None and trigger["arrival_step"] <= first["step"]
+    # the chain starts at the first divergent event, then each later category once
+    chain = first["chain"]
+    assert chain and chain[0]["category"] == first["category"], chain
+    assert chain[0]["events"] == {str(r): first["context"][str(r)]["at"]
+                                  for r in (first["majority"][0], first["ranks"][0])}, chain
+    assert len({c["category"] for c in chain}) == len(chain), chain
+    assert [c["step"] for c in chain] == sorted(c["step"] for c in chain), chain
