@@ -84,6 +84,10 @@ class Rank:
         first, so the log is the whole run."""
         if self.config.rank_log_dir is None:
             return None
+        online = getattr(self.scheduler, "consensus", None)
+        if online is not None and getattr(online, "written", None):
+            return online.written    # the log as it was at the divergence: finishing the
+            # transfers now could commit on one rank what the others had not (and hide it)
         l3 = getattr(self.cache, "l3", None)
         if l3 is not None:                  # stopping: the other stages may be gone
             l3.agree_stages = None
