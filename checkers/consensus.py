@@ -5,7 +5,8 @@ Ranks with the same ``dp_rank`` form a group and must record identical event str
 lock-step, stops at the first place where they differ, classifies it
 (formats.ranklog_compare.classify), names the minority ranks, the differing fields and a few
 events of context, then resynchronises every rank on the next ``step`` and keeps looking, up to
-``max_divergences``.
+``max_divergences``. Each divergence then names the request that triggered it and the causal
+chain to its first visible symptom (checkers.consensus_chain).
 
 Speed (≥ 1M events/s/core on msgpack logs) comes from never decoding most of the data: one
 rank of the group (the reference) is decoded a run of thousands of events at a time and
@@ -24,6 +25,7 @@ import os
 from collections import deque
 from typing import Any, Sequence
 
+from checkers.consensus_chain import explain
 from checkers.consensus_report import ConsensusReport, Divergence, GroupResult
 from engine.core.errors import InputError
 from formats.errors import FormatError
@@ -456,7 +458,7 @@ class _GroupCheck:
         if misfits:
             message += " (malformed: " + "; ".join(misfits) + ")"
         div = Divergence(category, self.dp_rank, step, seq, minority, sorted(majority), fields,
-                         context, message)
+                         context, message, where={s.rank: s.pos for s in active})
         for s in active:
             s.skip_through(step)
         return div
@@ -564,6 +566,7 @@ def check_logs(logs: Sequence[RankLogFile], *, max_divergences: int = DEFAULT_MA
                 found, g.complete = [], True
             else:
                 found, g.complete = _GroupCheck(dp, streams, chunk, context).run(budget)
+            explain(found, members)          # trigger request and causal chain
             g.divergences = len(found)
             g.events = sum(s.events for s in streams)
             total += g.events

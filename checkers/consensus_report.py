@@ -23,6 +23,12 @@ class Divergence:
     fields: dict[int, dict[str, Any]]   # per rank: the fields that differ, as recorded
     context: dict[int, dict[str, Any]]  # per rank: {"before": [...], "at": ev|None, "after": [...]}
     message: str
+    # checkers.consensus_chain: the request that triggered it ({rid, arrival_step, arrival_seq,
+    # arrival_kind} or None) and the chain of later categories that differ (the first: this one)
+    trigger_request: dict[str, Any] | None = None
+    chain: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # per rank: the byte offset of its event at the divergence (not reported)
+    where: dict[int, int] = dataclasses.field(default_factory=dict, repr=False)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -31,6 +37,8 @@ class Divergence:
             "fields": {str(r): _jsonable(v) for r, v in self.fields.items()},
             "context": {str(r): _jsonable(v) for r, v in self.context.items()},
             "message": self.message,
+            "trigger_request": _jsonable(self.trigger_request),
+            "chain": _jsonable(self.chain),
         }
 
 

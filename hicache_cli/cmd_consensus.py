@@ -61,6 +61,13 @@ def _columns(div: Any) -> list[list[int]]:
     return [m for _, m in cols]
 
 
+def _link_text(link: dict[str, Any]) -> str:
+    """``hit_length_mismatch (step 7: match / match)``: a chain link, each rank's kind."""
+    kinds = " / ".join(str(ev.get("kind")) if ev is not None else "no event"
+                       for ev in link["events"].values())
+    return f"{link['category']} (step {link['step']}: {kinds})"
+
+
 def render_human(report: Any, max_divergences: int) -> None:
     p = stdout.print
     groups = report.groups
@@ -91,6 +98,14 @@ def render_human(report: Any, max_divergences: int) -> None:
         p(f"   {escape(d.message)}")
         if d.ranks:
             p(f"   minority: {_ranks(d.ranks)}   majority: {_ranks(d.majority)}")
+        t = d.trigger_request
+        if t is not None:
+            arrived = ("" if t["arrival_step"] is None else
+                       f" (arrived at step {t['arrival_step']}, seq {t['arrival_seq']}: "
+                       f"{t['arrival_kind']})")
+            p(f"   trigger: request {escape(str(t['rid']))}{escape(arrived)}")
+        if d.chain:
+            p("   chain: " + escape(" → ".join(_link_text(c) for c in d.chain)))
         cols = _columns(d)
         fields = list(dict.fromkeys(k for f in d.fields.values() for k in f))
         if fields:

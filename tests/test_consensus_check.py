@@ -348,3 +348,57 @@ def test_missing_events_message_grammar(tmp_path):
     b = write(tmp_path, "b.ranklog", 1, EV[3:])
     d = check_consensus([a, b]).divergences[0]
     assert d.message == "rank 1 starts at seq 3 (events 0..2 missing); rank 0 continues with seq 0"
+
+
+# -- trigger request and causal chain (checkers.consensus_chain) ----------------------------------
+def _chain_logs(tmp_path) -> str:
+    """Two TP ranks: rank 1 skips a backup (its L2 allocation failed), so it evicts another
+    node and a later request hits less there."""
+    def stream(skip_backup: bool) -> list[dict]:
+        ev = [{"step": 0, "kind": "match", "rid": "a", "l1_len": 0, "l2_len": 0, "l3_len": 0},
+              {"step": 0, "kind": "insert", "rid": "a", "node": 1, "tokens": 32,
+               "new_tokens": 32},
+              {"step": 1, "kind": "match", "rid": "b", "l1_len": 0, "l2_len": 0, "l3_len": 0},
+              {"step": 1, "kind": "insert", "rid": "b", "node": 2, "tokens": 32,
+               "new_tokens": 32}]
+        if not skip_backup:
+            ev.append({"step": 1, "kind": "backup", "op": 0, "pages": 2})
+        ev += [{"step": 2, "kind": "evict", "tier": "l1", "eligible": [1, 2],
+                "evicted": [2] if skip_backup else [1]},
+               {"step": 3, "kind": "match", "rid": "c", "l1_len": 0 if skip_backup else 32,
+                "l2_len": 0, "l3_len": 0},
+               {"step": 3, "kind": "lock", "rid": "c", "node": 1 if skip_backup else 2}]
+        return [{"seq": i, **e} for i, e in enumerate(ev)]
+    d = tmp_path / "chain"
+    d.mkdir()
+    for r in (0, 1):
+        write_ranklog(d / f"rank{r}.jsonl", {"format": "hicache-ranklog", "version": 1, "rank": r,
+                                             "world_size": 2, "tp_rank": r, "tp_size": 2},
+                      stream(skip_backup=r == 1))
+    return str(d)
+
+
+def test_the_report_names_the_trigger_request_and_the_causal_chain(tmp_path):
+    r = check_consensus([_chain_logs(tmp_path)])
+    d = r.divergences[0]
+    assert (d.category, d.step, d.seq) == ("eviction_eligibility_divergence", 1, 4)
+    # the backup names no request: the trigger is the last one named before it, and it
+    # arrived at its first event (its match at step 1, seq 2)
+    assert d.trigger_request == {"rid": "b", "arrival_step": 1, "arrival_seq": 2,
+                                 "arrival_kind": "match"}
+    # backup / evict (the divergence), evict / evict (other victims: the same category), the
+    # match (a shorter hit on rank 1), the lock (another node)
+    assert [(c["category"], c["step"]) for c in d.chain] == [
+        ("eviction_eligibility_divergence", 1), ("hit_length_mismatch", 3),
+        ("lock_order_mismatch", 3)]
+    assert d.chain[0]["events"]["0"]["kind"] == "backup"
+    assert d.chain[0]["events"]["1"]["kind"] == "evict"
+    text = runner.invoke(app, ["consensus-check", str(tmp_path / "chain")])
+    assert text.exit_code == 3
+    assert "trigger: request b (arrived at step 1, seq 2: match)" in text.stdout
+    assert "chain: eviction_eligibility_divergence (step 1: backup / evict) → " \
+        "hit_length_mismatch (step 3: match / match) → lock_order_mismatch (step 3: lock / " \
+        "lock)" in text.stdout
+    js = json.loads(runner.invoke(app, ["consensus-check", str(tmp_path / "chain"), "--format",
+                                        "json"]).stdout)["divergences"][0]
+    assert js["trigger_request"] == d.trigger_request and js["chain"] == d.chain

@@ -25,13 +25,20 @@ WORK = SCRIPT + [prompt(17 * (i % 5) + 40, 50 + i) for i in range(12)]
 # an extra eviction on the smaller rank: the first differing event, aligned by sequence number
 # (online) or with the logs' context (offline), is an extra event or a lock taken elsewhere
 CAPACITY = ("eviction_eligibility_divergence", "missing_events", "lock_order_mismatch")
+# another victim on one rank: its evict pass names other nodes, or the next event differs
+EVICT = ("eviction_eligibility_divergence", "missing_events", "lock_order_mismatch",
+         "hit_length_mismatch", "event_mismatch")
 # case -> (the injection, the shape, the consensus categories its first symptom can fall in:
 # docs/parallelism.md maps each class to them)
 CASES = {
     "capacity-tp2": ("capacity@1", dict(tp=2), CAPACITY),
     "capacity-pp2": ("capacity@1", dict(pp=2), CAPACITY),
+    # unguarded turns every TP agreement of the cache off (no collective left to mismatch),
+    # so on a loaded machine the commit counts may differ first (as for clock and host-alloc)
     "prefetch-count-tp2": ("prefetch-count@1", dict(tp=2), ("hit_length_mismatch",
-                                                            "event_mismatch")),
+                                                            "event_mismatch",
+                                                            "restore_completion_mismatch",
+                                                            "missing_events")),
     "clock-tp2": ("clock@1", dict(tp=2), ("hit_length_mismatch", "event_mismatch",
                                           "restore_completion_mismatch", "missing_events")),
     "host-alloc-tp2": ("host-alloc@1", dict(tp=2), ("hit_length_mismatch", "event_mismatch",
@@ -41,6 +48,14 @@ CASES = {
     "ack-order-pp2": ("ack-order@1", dict(pp=2), ("pp_ack_consumption_mismatch",
                                                   "restore_completion_mismatch",
                                                   "missing_events")),
+    # a backup issued on one rank only: the next event differs in kind (often a lock)
+    "backup-alloc-tp2": ("backup-alloc@1", dict(tp=2), ("event_mismatch", "missing_events",
+                                                        "lock_order_mismatch",
+                                                        "restore_completion_mismatch")),
+    "l3-exists-pp2": ("l3-exists@1", dict(pp=2), ("hit_length_mismatch", "event_mismatch",
+                                                  "missing_events")),
+    "evict-order-tp2": ("evict-order@1", dict(tp=2), EVICT),
+    "evict-order-pp2": ("evict-order@1", dict(pp=2), EVICT),
 }
 
 
@@ -49,7 +64,7 @@ def _cfg(tmp_path, **kw) -> ServerConfig:
                         collective_timeout_s=60, **kw)
 
 
-L3_CLASSES = ("prefetch-count", "clock", "host-alloc")
+L3_CLASSES = ("prefetch-count", "clock", "host-alloc", "l3-exists")
 
 
 def _storage(tmp_path, name: str, spec: str) -> dict:
@@ -139,13 +154,15 @@ def test_unguarded_the_online_check_stops_in_one_line_and_the_logs_name_it(tmp_p
                           "--debug-diverge", spec + ",unguarded", "--consensus-check", "online",
                           "--consensus-every", "1", "--collective-timeout", "60", stderr=err)
     errors = []
+    sent = []                            # the request ids, in order
     try:
         for _round in range(2 if l3 else 1):
-            for ids in WORK:
+            for i, ids in enumerate(WORK):
+                sent.append(f"req-{_round}-{i}")
                 try:
                     r = requests.post(url + "/generate", timeout=120, json={
-                        "input_ids": ids, "sampling_params": {"max_new_tokens": 6,
-                                                              "ignore_eos": True}})
+                        "input_ids": ids, "rid": sent[-1],
+                        "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}})
                 except requests.ConnectionError:
                     break                                 # it stopped
                 if r.status_code != 200:
@@ -170,4 +187,31 @@ def test_unguarded_the_online_check_stops_in_one_line_and_the_logs_name_it(tmp_p
     out = _consistent(logs)                  # offline, on the logs the ranks wrote
     assert out["code"] == 3 and out["consistent"] is False, out
     assert online in category, (online, category)
-    assert out["divergences"][0]["category"] in category, out
+    first = out["divergences"][0]
+    assert first["category"] in category, out
+    # the trigger: one of the requests sent, arrived no later than the divergence
+    trigger = first["trigger_request"]
+    assert trigger is not None and trigger["rid"] in sent, (trigger, sent)
+    assert trigger["arrival_step"] is not None and trigger["arrival_step"] <= first["step"]
+    # the chain starts at the first divergent event, then each later category once
+    chain = first["chain"]
+    assert chain and chain[0]["category"] == first["category"], chain
+    assert chain[0]["events"] == {str(r): first["context"][str(r)]["at"]
+                                  for r in (first["majority"][0], first["ranks"][0])}, chain
+    assert len({c["category"] for c in chain}) == len(chain), chain
+    assert [c["step"] for c in chain] == sorted(c["step"] for c in chain), chain
+
+
+@pytest.mark.parametrize("spec, shape, needs", [
+    ("l3-exists@1", dict(tp=2), "needs --pp > 1 without --cp and an L3 store"),
+    ("l3-exists@1", dict(pp=2), "needs --pp > 1 without --cp and an L3 store"),
+    ("backup-alloc@1", dict(pp=2), "needs --tp > 1 and an L2 host pool"),
+    ("backup-alloc@1", dict(tp=2, l2_tokens=0), "needs --tp > 1 and an L2 host pool"),
+    ("evict-order@0", dict(), "needs --tp, --cp or --pp > 1"),
+    ("evict-order@2", dict(tp=2), "rank 2 is outside the 2 ranks"),
+    ("evict-order", dict(tp=2), "expected CLASS@RANK[:AFTER][,unguarded]"),
+])
+def test_a_class_on_a_shape_it_does_not_apply_to_is_one_line(spec, shape, needs):
+    with pytest.raises(ValueError) as e:
+        ServerConfig(port=0, debug_diverge=spec, **shape)
+    assert needs in str(e.value) and "\n" not in str(e.value), str(e.value)

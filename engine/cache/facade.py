@@ -15,7 +15,6 @@ and is loaded back on a hit; L2 eviction removes leaves that are not on L1.
 from __future__ import annotations
 
 import collections
-import heapq
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -101,6 +100,11 @@ class HiCache:
         # several ranks must classify a match alike (each rank's copy finishes at its own time;
         # the commit is the step they agree on).
         self.hit_on_commit = False
+        # A backup's L2 allocation as the ranks of a group agree on it: ``agree_backup([ok])``
+        # is the minimum over the ranks (set by TPCache), so a backup one rank cannot place is
+        # skipped on every rank. ``backup_fault()``: a debug injector's failure on one rank.
+        self.agree_backup: Any = None
+        self.backup_fault: Any = None
         self._inflight: dict[OpKind, collections.deque[TransferOp]] = {
             k: collections.deque() for k in OpKind}
         self._t1 = Tier("l1", self.l1_alloc, l1_candidate, self._evict_l1_node)
@@ -433,7 +437,10 @@ class HiCache:
         short = l2_alloc.shortfall(need, src)
         while short > 0 and self.evict_l2(short):
             short = l2_alloc.shortfall(need, src)
-        if short > 0:
+        ok = short <= 0 and not (self.backup_fault is not None and self.backup_fault())
+        if self.agree_backup is not None:   # the same outcome on every rank of the group
+            ok = bool(self.agree_backup([int(ok)])[0])
+        if not ok:
             self.counters["backup_no_room"] += 1
             return False
         dst = l2_alloc.alloc(need, like=src)
@@ -557,14 +564,11 @@ class HiCache:
         if node.parent is None or node.lock_ref:
             return
         if node.l1 is not None and node.n_l1_children == 0:
-            t = self._t1
-            t.seq += 1
-            heapq.heappush(t.heap, (self.policy.key(node), t.seq, node))
+            self._t1.push(self.policy.key(node), node)
         if node.l2 is not None and (node.l1 is not None or not node.children):
             t2 = self._t2
             assert t2 is not None            # L2 pages imply an L2 tier
-            t2.seq += 1
-            heapq.heappush(t2.heap, (self.policy.key(node), t2.seq, node))
+            t2.push(self.policy.key(node), node)
 
     def _evict(self, tier: Tier, n_pages: int) -> int:
         """One eviction pass over ``tier`` (:meth:`Tier.evict`), recorded as one ``evict``."""
@@ -641,6 +645,8 @@ class HiCache:
         return cache_stats(self, _STAT_COUNTERS)
 
     def close(self) -> None:
+        if self.l3 is not None:
+            self.l3.agree_stages = None       # stopping: the other stages may be gone
         self.wait_all()
         self.transfers.close()
         if self.l3 is not None:

@@ -224,6 +224,12 @@ class L3Tier:
         # clock that times a prefetch, and a cap on the L2 pages a prefetch may get.
         self.clock: Callable[[], float] = time.monotonic
         self.alloc_cap: Callable[[int], int] | None = None
+        # Pipeline stages (each its own store objects) agree on one L3 decision: the pages
+        # every stage's store holds, every stage fetched, whether a backup reached every
+        # stage's store. ``agree_stages(counts)`` is the minimum over the replica's ranks
+        # (None: one stage); called where every stage decides in the same order (admission,
+        # and the commits pp_sync names).
+        self.agree_stages: Callable[[list[int]], list[int]] | None = None
 
     # -- jobs ----------------------------------------------------------------------------------
     def hashes(self, tokens: np.ndarray, namespace: Namespace | str | None,
@@ -314,6 +320,8 @@ class L3Tier:
         n3 = self.exists_prefix(hashes[start:])
         if self._agree is not None:        # the pages every rank's store holds
             n3 = self._agree([n3])[0]
+        if self.agree_stages is not None:  # ... and every stage's
+            n3 = self.agree_stages([n3])[0]
         alloc = self._l2_alloc
         if n3 == 0 or alloc is None:
             return 0
@@ -372,6 +380,8 @@ class L3Tier:
                 ok = int(job.result) == len(job.hashes)
             if self._agree is not None:
                 ok = bool(self._agree([int(ok)])[0])
+            if self.agree_stages is not None:
+                ok = bool(self.agree_stages([int(ok)])[0])
             if ok:
                 # The node may have been split while the put was in flight: its pages are now
                 # the last len(hashes) pages of the path ending at it, spread over ancestors.
@@ -390,6 +400,8 @@ class L3Tier:
         n_ok = int(job.result or 0)
         if self._agree is not None:        # the pages every rank fetched
             n_ok = self._agree([n_ok])[0]
+        if self.agree_stages is not None:  # ... on every stage
+            n_ok = self.agree_stages([n_ok])[0]
         pages = job.pages
         node = None
         alive = parent.parent is not None or tree.roots.get(parent.namespace) is parent

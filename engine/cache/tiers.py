@@ -28,11 +28,20 @@ def l2_candidate(node: Node) -> bool:
             and (node.l1 is not None or not node.children))
 
 
-class Tier:
-    """One tier: ``heap`` entries are ``(policy key, seq, node)``; stale entries (the node is no
-    candidate any more, or its key changed) are skipped when popped, so pushing is cheap."""
+def agreed_tie(node: Node, seq: int) -> tuple:
+    """What orders candidates of equal policy key: the node's id (its creation order, the same
+    on every rank of a group), then the push sequence (only ever between entries of one node).
+    So the eviction order is total on data every rank agrees on (docs/parallelism.md, "Rank
+    divergence classes", ``evict-order``)."""
+    return (node.id, seq)
 
-    __slots__ = ("name", "alloc", "heap", "seq", "is_candidate", "evict_one")
+
+class Tier:
+    """One tier: ``heap`` entries are ``(policy key, tie, node)`` (``tie(node, seq)``, by
+    default :func:`agreed_tie`); stale entries (the node is no candidate any more, or its key
+    changed) are skipped when popped, so pushing is cheap."""
+
+    __slots__ = ("name", "alloc", "heap", "seq", "is_candidate", "evict_one", "tie")
 
     def __init__(self, name: str, alloc: Any, is_candidate: Callable[[Node], bool],
                  evict_one: Callable[[Node], bool]):
@@ -42,19 +51,20 @@ class Tier:
         self.seq = 0
         self.is_candidate = is_candidate
         self.evict_one = evict_one
+        self.tie: Callable[[Node, int], Any] = agreed_tie
 
     def push(self, key: Any, node: Node) -> None:
         self.seq += 1
-        heapq.heappush(self.heap, (key, self.seq, node))
+        heapq.heappush(self.heap, (key, self.tie(node, self.seq), node))
 
     def rebuild(self, nodes: Iterable[Node], key: Callable[[Node], Any]) -> None:
         """A fresh heap of exactly the current candidates (drops every stale entry)."""
         heap = []
-        check = self.is_candidate
+        check, tie = self.is_candidate, self.tie
         for node in nodes:
             if check(node):
                 self.seq += 1
-                heap.append((key(node), self.seq, node))
+                heap.append((key(node), tie(node, self.seq), node))
         heapq.heapify(heap)
         self.heap = heap
 

@@ -99,6 +99,7 @@ class OnlineConsensus:
         self.log, self.group, self.every = log, group, every
         self.log_dir, self.log_suffix = log_dir, log_suffix
         self.checks = 0
+        self.written: str | None = None    # the log written at a divergence (kept as it is)
         self._agreed_rid: Any = None
         self._pack = event_packer().pack
         self._digests: list[int] = []      # one per event since the last agreement
@@ -178,6 +179,7 @@ class OnlineConsensus:
             self.log.write(path)
         else:  # only the window since the last agreement is known
             write_ranklog(path, self.log.rank.header(), self._events)
+        self.written = path
         return path
 
     def _error(self, events: list[dict | None], index: int, log_dir: str) -> RankConsensusError:

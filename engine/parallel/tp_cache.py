@@ -10,7 +10,8 @@ page costs ``1/tp`` of the bytes. What could make ranks drift apart is timing: e
   (``all_reduce(MIN)``), through the facade's ``poll(limits)``;
 * the L3 tier (:meth:`attach_l3`) agrees on how many pages every rank's store holds, whether a
   prefetch is complete, how many pages every rank fetched, whether a backup succeeded on every
-  rank, and how many finished jobs to commit (each rank reads and writes its own shard objects).
+  rank, and how many finished jobs to commit (each rank reads and writes its own shard objects);
+* a backup's L2 allocation (L1 → L2): issued only where every rank could allocate it.
 
 A queue that is empty is empty on every rank (the same submissions), so an idle step costs no
 collective. After :meth:`wait_all` or :meth:`close` (the group is stopping, the peers may be
@@ -20,6 +21,8 @@ gone) the rank decides alone.
 from __future__ import annotations
 
 from typing import Any, Sequence
+
+from engine.cache.facade import HiCache
 
 QUEUES = ("load", "backup")
 
@@ -36,6 +39,12 @@ class TPCache:
         self.page_bytes = list(page_bytes)
         self.agreeing = group is not None
         self.agreements = 0
+        if group is not None:      # a backup one rank cannot place in L2 is skipped by all
+            base = cache
+            while not isinstance(base, HiCache) and "cache" in vars(base):
+                base = base.cache               # through a CPCache to its facade
+            if isinstance(base, HiCache):
+                base.agree_backup = self.agree
 
     def __getattr__(self, name: str) -> Any:
         # match, admit, lock, unlock, load_back, insert, flush, tree, events, l1, l2, l3, ...

@@ -117,18 +117,27 @@ class Diverge:
     unguarded: bool = False
 
 
-DIVERGE_CLASSES = ("capacity", "prefetch-count", "ack-order", "clock", "host-alloc")
+DIVERGE_CLASSES = ("capacity", "prefetch-count", "ack-order", "clock", "host-alloc",
+                   "backup-alloc", "l3-exists", "evict-order")
 # the shapes each class applies to (a class needs ranks that make the same decision)
 DIVERGE_SHAPES = {"capacity": lambda c: c.ranks * c.pp > 1,
                   "prefetch-count": lambda c: c.tp > 1 and c.hicache_storage_backend is not None,
                   "ack-order": lambda c: c.ranks * c.pp > 1,
                   "clock": lambda c: c.tp > 1 and c.hicache_storage_backend is not None,
-                  "host-alloc": lambda c: c.tp > 1 and c.hicache_storage_backend is not None}
+                  "host-alloc": lambda c: c.tp > 1 and c.hicache_storage_backend is not None,
+                  "backup-alloc": lambda c: c.tp > 1 and c.l2_tokens != 0,
+                  "l3-exists": lambda c: c.pp > 1 and c.cp == 1 and
+                  c.hicache_storage_backend is not None,
+                  "evict-order": lambda c: c.ranks * c.pp > 1}
 DIVERGE_NEEDS = {"capacity": "needs --tp, --cp or --pp > 1",
                  "prefetch-count": "needs --tp > 1 and an L3 store (--hicache-storage-backend)",
                  "ack-order": "needs --tp, --cp or --pp > 1",
                  "clock": "needs --tp > 1 and an L3 store (--hicache-storage-backend)",
-                 "host-alloc": "needs --tp > 1 and an L3 store (--hicache-storage-backend)"}
+                 "host-alloc": "needs --tp > 1 and an L3 store (--hicache-storage-backend)",
+                 "backup-alloc": "needs --tp > 1 and an L2 host pool (--l2-tokens not 0)",
+                 "l3-exists": "needs --pp > 1 without --cp and an L3 store "
+                              "(--hicache-storage-backend)",
+                 "evict-order": "needs --tp, --cp or --pp > 1"}
 
 
 def parse_diverge(spec: str) -> Diverge:

@@ -18,7 +18,6 @@ of ``insert`` (it ends where the match's walk did: eviction removes nodes, it ne
 
 from __future__ import annotations
 
-import heapq
 import time
 from typing import Callable, Iterable
 
@@ -58,9 +57,7 @@ class LeanReplay:
         """The facade's ``_push_candidate`` on an L1-only cache."""
         if node.parent is None or node.lock_ref or node.n_l1_children:
             return
-        t = self._t1
-        t.seq += 1
-        heapq.heappush(t.heap, (self.policy.key(node), t.seq, node))
+        self._t1.push(self.policy.key(node), node)
 
     def _evict_one(self, node: Node) -> bool:
         """The facade's ``_evict_l1_node`` with no L2: a leaf leaves the tree."""

@@ -260,8 +260,8 @@ ConsensusEvery = Annotated[int, _O("--consensus-every", field="consensus_every",
 DebugDiverge = Annotated[Optional[str], _O(
     "--debug-diverge", field="debug_diverge", metavar="CLASS@RANK[:AFTER][,unguarded]",
     help="Debug: drive one rank into a divergence class (capacity, prefetch-count, ack-order, "
-    "clock, host-alloc; docs/parallelism.md); unguarded also turns off the agreement that "
-    "prevents it.")]
+    "clock, host-alloc, backup-alloc, l3-exists, evict-order; docs/parallelism.md); unguarded "
+    "also turns off the agreement that prevents it.")]
 
 KvEvents = Annotated[Optional[str], _O(
     "--kv-events-config", metavar="JSON",

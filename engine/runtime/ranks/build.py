@@ -40,6 +40,7 @@ from engine.runtime.ranks.diverge import (
     apply_to_l3,
     diverge_of,
     pp_sync_on,
+    stage_agreement,
     wrap_store,
 )
 from engine.runtime.ranks.groups import RankGroups, cut_groups, rank_device, reduce_backend, share_cores
@@ -83,6 +84,13 @@ class Rank:
         first, so the log is the whole run."""
         if self.config.rank_log_dir is None:
             return None
+        online = getattr(self.scheduler, "consensus", None)
+        if online is not None and getattr(online, "written", None):
+            return online.written    # the log as it was at the divergence: finishing the
+            # transfers now could commit on one rank what the others had not (and hide it)
+        l3 = getattr(self.cache, "l3", None)
+        if l3 is not None:                  # stopping: the other stages may be gone
+            l3.agree_stages = None
         self.cache.wait_all()
         os.makedirs(self.config.rank_log_dir, exist_ok=True)
         path = self.rank_log_path()
@@ -317,6 +325,8 @@ def attach_storage(rank: Rank, layout: Any) -> None:
                     prefetch_policy=cfg.hicache_storage_prefetch_policy,
                     prefetch_timeout=cfg.hicache_storage_prefetch_timeout,
                     ordered=rank.topology.pp > 1)   # L3 results land where pp_sync says
+    if rank.topology.pp > 1 and rank.topology.cp == 1:
+        cache.l3.agree_stages = stage_agreement(cfg, diverge_of(cfg))   # one L3 decision
     rank.l3_status = f"on ({scfg.backend.value}, {placement.label(layout)})"
 
 

@@ -22,6 +22,21 @@ classes", lists each class, where it comes from in real deployments and what pre
 * ``host-alloc`` — one TP rank's L2 allocation for an L3 prefetch fails. Prevented by the
   agreed page count (the minimum; the surplus is freed on the ranks that got more).
 
+* ``backup-alloc`` — one TP rank's L2 allocation for a backup (L1 → L2) fails (every second
+  backup from its ``AFTER``-th on). Prevented by the agreed outcome (the minimum of "could
+  allocate" over the TP group): a backup one rank cannot place is skipped on every rank.
+* ``l3-exists`` — one pipeline stage's L3 store finds one page fewer of a prefix (its objects
+  are its own: a lost object, a size limit evicting per stage). Prevented by one L3 decision
+  for the pipeline: the existence count, the pages fetched and a backup's success are the
+  minimum over every stage (an all-reduce over the replica, at admission and at the commits
+  pp_sync names, the same points on every stage).
+* ``evict-order`` — one rank breaks eviction ties the other way (its heap's rank-local
+  tie-break, the push sequence, runs backwards from its ``AFTER``-th push). Prevented by an
+  eviction order that is total on agreed data: the policy key on the logical clock, then the
+  node id (the same on every rank), so the rank-local part never decides. Unguarded, every
+  rank orders by a coarse recency (a wall-clock timestamp's resolution: ties) and the push
+  sequence alone.
+
 ``unguarded`` turns the class's agreement off on every rank, so the divergence happens and the
 online check (or ``hicache consensus-check`` on the logs) can be shown naming it.
 """
@@ -76,7 +91,7 @@ class LossyStore:
 
 
 def wrap_store(store: Any, topo: Topology, dv: Diverge | None) -> Any:
-    if dv is not None and dv.cls == "prefetch-count" and dv.rank == topo.rank:
+    if dv is not None and dv.cls in ("prefetch-count", "l3-exists") and dv.rank == topo.rank:
         return LossyStore(store, dv.after)
     return store
 
@@ -113,9 +128,61 @@ def apply_to_cache(cache: Any, topo: Topology, dv: Diverge | None) -> None:
             return LaggingOp(op.op_id, op.kind, op.src, op.src_pages, op.dst, op.dst_pages,
                              op.num_layers, op.payload)
         engine.new_op = lagging
-    if dv.unguarded and dv.cls in ("prefetch-count", "ack-order", "clock", "host-alloc") and \
-            topo.tp > 1:
+    base = _facade(cache)
+    if dv.cls == "backup-alloc" and dv.rank == topo.rank:
+        calls = [0]
+
+        def fault() -> bool:
+            calls[0] += 1
+            return calls[0] > dv.after and calls[0] % 2 == 0     # the allocation fails
+        base.backup_fault = fault
+    if dv.cls == "evict-order":
+        tiers = [t for t in (base._t1, base._t2) if t is not None]
+        mine = dv.rank == topo.rank
+        if dv.unguarded:        # ties on every rank, broken by what is local to each
+            base.policy = CoarseRecency(base.policy)
+            for t in tiers:
+                t.tie = _reversed_after(dv.after) if mine else _push_order
+        elif mine:              # the rank-local part reversed; the agreed part decides
+            for t in tiers:
+                t.tie = _id_then_reversed(dv.after)
+    if dv.unguarded and dv.cls in ("prefetch-count", "ack-order", "clock", "host-alloc",
+                                   "backup-alloc") and topo.tp > 1:
         cache.agreeing = False
+
+
+def _facade(cache: Any) -> Any:
+    """The :class:`HiCache` inside a TPCache / CPCache."""
+    while "cache" in vars(cache):
+        cache = cache.cache
+    return cache
+
+
+COARSE_TICKS = 1 << 40   # evict-order, unguarded: recency this coarse (every key ties)
+
+
+class CoarseRecency:
+    """A policy whose recency has a timestamp's resolution: the inner key with each integer
+    (the logical clock, a hit count) cut to :data:`COARSE_TICKS`, so candidates tie."""
+
+    def __init__(self, inner: Any):
+        self.inner, self.name = inner, getattr(inner, "name", "coarse")
+
+    def key(self, node: Any) -> tuple:
+        return tuple(v // COARSE_TICKS if isinstance(v, int) else v
+                     for v in self.inner.key(node))
+
+
+def _push_order(node: Any, seq: int) -> tuple:
+    return (seq,)
+
+
+def _reversed_after(after: int) -> Any:
+    return lambda node, seq: (seq if seq <= after else -seq,)
+
+
+def _id_then_reversed(after: int) -> Any:
+    return lambda node, seq: (node.id, seq if seq <= after else -seq)
 
 
 FAST_CLOCK = 1000.0      # clock: seconds the diverging rank's clock jumps at every reading
@@ -144,6 +211,20 @@ def apply_to_l3(cache: Any, topo: Topology, dv: Diverge | None) -> None:
             calls[0] += 1
             return 0 if calls[0] > dv.after else n      # the allocation fails
         l3.alloc_cap = cap
+
+
+def stage_agreement(cfg: ServerConfig, dv: Diverge | None) -> Any:
+    """The pipeline's one L3 decision: the minimum of a list of counts over every rank of the
+    replica (all stages; None when an unguarded ``l3-exists`` divergence turns it off)."""
+    if dv is not None and dv.cls == "l3-exists" and dv.unguarded:
+        return None
+    import torch.distributed as dist
+
+    def agree(values: list[int]) -> list[int]:
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return [int(v) for v in t.tolist()]
+    return agree
 
 
 def pp_sync_on(cfg: ServerConfig, dv: Diverge | None) -> bool:
