@@ -68,6 +68,56 @@ def _link_text(link: dict[str, Any]) -> str:
     return f"{link['category']} (step {link['step']}: {kinds})"
 
 
+def _render_divergence(n: int, d: Any) -> None:
+    p = stdout.print
+    p()
+    where = []
+    if d.group is not None:
+        where.append(f"group dp_rank={d.group}")
+    if d.step is not None:
+        where.append(f"step {d.step}")
+    if d.seq is not None:
+        where.append(f"seq {d.seq}")
+    p(f"[bold]#{n} [red]{d.category}[/red][/]" + ("  ·  " + "  ·  ".join(where)
+                                                   if where else ""))
+    p(f"   {escape(d.message)}")
+    if d.ranks:
+        p(f"   minority: {_ranks(d.ranks)}   majority: {_ranks(d.majority)}")
+    t = d.trigger_request
+    if t is not None:
+        arrived = ("" if t["arrival_step"] is None else
+                   f" (arrived at step {t['arrival_step']}, seq {t['arrival_seq']}: "
+                   f"{t['arrival_kind']})")
+        p(f"   trigger: request {escape(str(t['rid']))}{escape(arrived)}")
+    if d.chain:
+        p("   chain: " + escape(" → ".join(_link_text(c) for c in d.chain)))
+    cols = _columns(d)
+    fields = list(dict.fromkeys(k for f in d.fields.values() for k in f))
+    if fields:
+        t = Table(box=box.SIMPLE, show_edge=False, pad_edge=False, padding=(0, 2))
+        t.add_column("field")
+        for c in cols:
+            t.add_column(escape(_ranks(c)))
+        for f in fields:
+            t.add_row(escape(f), *[escape(_value(d.fields[c[0]][f], 40))
+                                   if f in d.fields[c[0]] else "[dim]—[/]" for c in cols])
+        stdout.print(Padding(t, (0, 0, 0, 3), expand=False))
+    for c in cols:
+        ctx = d.context.get(c[0])
+        if ctx is None:
+            continue
+        alike = f" ({escape(_ranks(c[1:]))} alike)" if len(c) > 1 else ""
+        p(f"   [dim]context, rank {c[0]}{alike}:[/]")
+        for ev in ctx["before"]:
+            p(f"       {_event_line(ev)}")
+        if ctx["at"] is not None:
+            p(f"     [bold yellow]>[/] {_event_line(ctx['at'])}")
+        else:
+            p("     [bold yellow]>[/] [italic](end of log)[/]")
+        for ev in ctx["after"]:
+            p(f"       {_event_line(ev)}")
+
+
 def render_human(report: Any, max_divergences: int) -> None:
     p = stdout.print
     groups = report.groups
@@ -85,52 +135,7 @@ def render_human(report: Any, max_divergences: int) -> None:
         p(f"[bold red]✗ inconsistent[/]: {_pl(len(report.divergences), 'divergence')}{where} "
           f"— {what}")
     for n, d in enumerate(report.divergences, 1):
-        p()
-        where = []
-        if d.group is not None:
-            where.append(f"group dp_rank={d.group}")
-        if d.step is not None:
-            where.append(f"step {d.step}")
-        if d.seq is not None:
-            where.append(f"seq {d.seq}")
-        p(f"[bold]#{n} [red]{d.category}[/red][/]" + ("  ·  " + "  ·  ".join(where)
-                                                       if where else ""))
-        p(f"   {escape(d.message)}")
-        if d.ranks:
-            p(f"   minority: {_ranks(d.ranks)}   majority: {_ranks(d.majority)}")
-        t = d.trigger_request
-        if t is not None:
-            arrived = ("" if t["arrival_step"] is None else
-                       f" (arrived at step {t['arrival_step']}, seq {t['arrival_seq']}: "
-                       f"{t['arrival_kind']})")
-            p(f"   trigger: request {escape(str(t['rid']))}{escape(arrived)}")
-        if d.chain:
-            p("   chain: " + escape(" → ".join(_link_text(c) for c in d.chain)))
-        cols = _columns(d)
-        fields = list(dict.fromkeys(k for f in d.fields.values() for k in f))
-        if fields:
-            t = Table(box=box.SIMPLE, show_edge=False, pad_edge=False, padding=(0, 2))
-            t.add_column("field")
-            for c in cols:
-                t.add_column(escape(_ranks(c)))
-            for f in fields:
-                t.add_row(escape(f), *[escape(_value(d.fields[c[0]][f], 40))
-                                       if f in d.fields[c[0]] else "[dim]—[/]" for c in cols])
-            stdout.print(Padding(t, (0, 0, 0, 3), expand=False))
-        for c in cols:
-            ctx = d.context.get(c[0])
-            if ctx is None:
-                continue
-            alike = f" ({escape(_ranks(c[1:]))} alike)" if len(c) > 1 else ""
-            p(f"   [dim]context, rank {c[0]}{alike}:[/]")
-            for ev in ctx["before"]:
-                p(f"       {_event_line(ev)}")
-            if ctx["at"] is not None:
-                p(f"     [bold yellow]>[/] {_event_line(ctx['at'])}")
-            else:
-                p("     [bold yellow]>[/] [italic](end of log)[/]")
-            for ev in ctx["after"]:
-                p(f"       {_event_line(ev)}")
+        _render_divergence(n, d)
     if not report.complete:
         stdout.print()
         stdout.print(f"[yellow]stopped at --max-divergences {max_divergences}:[/] not every group "
