@@ -5,8 +5,11 @@ The same request script runs against a ``--tp 2`` (or ``--pp 2``) server three w
 check off, ``--consensus-every 8`` (the default) and ``--consensus-every 1`` (before every
 step's forward) — in rounds that alternate the three (A/B/C, B/C/A, …) so the machine's drift
 hits each alike. Per run: wall seconds and scheduler steps (``/metrics``
-``scheduler_steps_total``); the figure is the median time per step of each mode and its ratio
-to the run without the check.
+``scheduler_steps_total``); the figures are the median time per step of each mode, its ratio
+to the run without the check (noisy on 2 shared cores: the rank processes and the HTTP server
+share them), and the check's own time on rank 0 per step (digesting each event and comparing,
+timed inside :class:`~engine.parallel.consensus_online.OnlineConsensus`) as a share of the
+step — the direct cost.
 
     .venv/bin/python benchmarks/bench_consensus_online.py            # tp 2, 3 rounds
     .venv/bin/python benchmarks/bench_consensus_online.py --pp 2 --rounds 5
@@ -56,14 +59,18 @@ def one_run(args, every: int | None, prompts: list[list[int]]) -> dict:
                 "max_new_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True}})
             requests.post(h.url + "/generate", json=body(prompts[0]), timeout=120)  # warm
             s0 = _steps(h.url)
+            online = h.engine.scheduler.consensus   # rank 0's check, in this process
+            c0 = online.seconds if online is not None else 0.0
             t0 = time.perf_counter()
             with ThreadPoolExecutor(args.clients) as pool:
                 codes = list(pool.map(lambda ids: requests.post(
                     h.url + "/generate", json=body(ids), timeout=300).status_code, prompts))
             wall = time.perf_counter() - t0
             steps = _steps(h.url) - s0
+            spent = online.seconds - c0 if online is not None else 0.0
     assert all(c == 200 for c in codes), codes
-    return {"wall_s": wall, "steps": steps, "ms_per_step": 1000 * wall / max(steps, 1)}
+    return {"wall_s": wall, "steps": steps, "ms_per_step": 1000 * wall / max(steps, 1),
+            "check_ms_per_step": 1000 * spent / max(steps, 1)}
 
 
 def main() -> None:
@@ -91,6 +98,11 @@ def main() -> None:
         out["modes"][n] = {"median_ms_per_step": round(med, 3),
                            "vs_off": round(med / base, 3),
                            "steps": [x["steps"] for x in runs[n]],
+                           # the check's own time on rank 0 over the timed requests
+                           "check_ms_per_step": round(statistics.median(
+                               x["check_ms_per_step"] for x in runs[n]), 3),
+                           "check_share_of_step": round(statistics.median(
+                               x["check_ms_per_step"] / x["ms_per_step"] for x in runs[n]), 4),
                            "ms_per_step": [round(x["ms_per_step"], 3) for x in runs[n]]}
     print(json.dumps(out, indent=2))
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import time
 from operator import itemgetter
 from typing import Any
 
@@ -99,6 +100,7 @@ class OnlineConsensus:
         self.log, self.group, self.every = log, group, every
         self.log_dir, self.log_suffix = log_dir, log_suffix
         self.checks = 0
+        self.seconds = 0.0      # spent recording digests and comparing (its cost, measured)
         self.written: str | None = None    # the log written at a divergence (kept as it is)
         self._agreed_rid: Any = None
         self._pack = event_packer().pack
@@ -110,10 +112,12 @@ class OnlineConsensus:
 
     # -- recording -------------------------------------------------------------------------
     def _on_event(self, ev: dict) -> None:
+        t0 = time.perf_counter()
         d = event_digest(ev, self._pack)
         self._digests.append(d)
         self._events.append(ev)
         self._hash.update(d.to_bytes(8, "little", signed=True))
+        self.seconds += time.perf_counter() - t0
 
     # -- comparing -------------------------------------------------------------------------
     def step_done(self, step: int) -> None:
@@ -123,6 +127,13 @@ class OnlineConsensus:
 
     def check(self) -> None:
         """Compare now (collective). Raises :class:`RankConsensusError` on divergence."""
+        t0 = time.perf_counter()
+        try:
+            self._check()
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _check(self) -> None:
         self.checks += 1
         n = len(self._digests)
         h = int.from_bytes(self._hash.digest(), "little", signed=True)
