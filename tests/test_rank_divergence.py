@@ -33,6 +33,7 @@ EVICT = ("eviction_eligibility_divergence", "missing_events", "lock_order_mismat
 CASES = {
     "capacity-tp2": ("capacity@1", dict(tp=2), CAPACITY),
     "capacity-pp2": ("capacity@1", dict(pp=2), CAPACITY),
+    "capacity-cp2": ("capacity@1", dict(cp=2), CAPACITY),
     # unguarded turns every TP agreement of the cache off (no collective left to mismatch),
     # so on a loaded machine the commit counts may differ first (as for clock and host-alloc)
     "prefetch-count-tp2": ("prefetch-count@1", dict(tp=2), ("hit_length_mismatch",
@@ -56,6 +57,7 @@ CASES = {
                                                   "missing_events")),
     "evict-order-tp2": ("evict-order@1", dict(tp=2), EVICT),
     "evict-order-pp2": ("evict-order@1", dict(pp=2), EVICT),
+    "evict-order-cp2": ("evict-order@1", dict(cp=2), EVICT),
 }
 
 
