@@ -181,22 +181,27 @@ def test_in_flight_load_is_not_an_l1_hit():
     assert_healthy(c, idle=True)
 
 
+def _match_during_a_finished_load(c):
+    """Prefix ``a`` evicted to L2, loaded back (done, not committed: no poll), matched again:
+    returns ``a``, the load's lock receipt and the second match."""
+    a, b = seq(0, 4), seq(10, 4)
+    serve(c, a)
+    c.wait_all()
+    serve(c, b)
+    c.wait_all()
+    m = c.match(a, rid="x")
+    r = c.lock(m)
+    c.load_back(m).wait()
+    return a, r, c.match(a, rid="y")
+
+
 def test_a_finished_load_is_an_l1_hit_only_once_committed_on_ranks():
     """A load that finished but is not committed: a lone cache counts it as L1; a rank of a
     group (``hit_on_commit``) as L2 until the commit, the step every rank agrees on."""
     for on_commit, want in ((False, (4, 0)), (True, (0, 4))):
         c = make_cache(page_size=2, l1_pages=2, l2_pages=8)
         c.hit_on_commit = on_commit
-        a, b = seq(0, 4), seq(10, 4)
-        serve(c, a)
-        c.wait_all()
-        serve(c, b)
-        c.wait_all()
-        m = c.match(a, rid="x")
-        r = c.lock(m)
-        h = c.load_back(m)
-        h.wait()                             # done, not yet committed (no poll)
-        m2 = c.match(a, rid="y")
+        a, r, m2 = _match_during_a_finished_load(c)
         assert (m2.l1_len, m2.l2_len) == want
         c.poll()
         assert c.match(a).l1_len == 4         # committed: an L1 hit everywhere
@@ -323,15 +328,7 @@ def test_a_pipeline_stage_counts_an_uncommitted_load_as_l2(pp):
 
     cfg = CacheConfig(page_size=2, l1_tokens=4, l2_tokens=16, layout=tiny_layout(2))
     c = rank_cache(cfg, None, ServerConfig(pp=pp), Topology(pp=pp, rank=0), None)
-    a, b = seq(0, 4), seq(10, 4)
-    serve(c, a)
-    c.wait_all()
-    serve(c, b)
-    c.wait_all()
-    m = c.match(a, rid="x")
-    r = c.lock(m)
-    c.load_back(m).wait()                    # done, not yet committed (no poll)
-    m2 = c.match(a, rid="y")
+    _, r, m2 = _match_during_a_finished_load(c)
     assert (m2.l1_len, m2.l2_len) == ((0, 4) if pp > 1 else (4, 0))
     c.poll()
     c.unlock(r)
