@@ -211,10 +211,10 @@ def test_a_router_that_dies_mid_run_ends_the_run_with_errors(fleet, tmp_path):
         proc, url = _router(urls, "round_robin", log)
         try:
             _ready(proc, url, tmp_path / "router.log")
-            threading.Timer(1.5, proc.kill).start()
+            threading.Timer(1.5, proc.kill).start()   # far fewer rounds than 400 fit in 1.5 s
             t0 = time.monotonic()
             r = CliRunner().invoke(app, ["bench", "run", "--url", url, "-w", "multiturn",
-                                         "--num-clients", "2", "--num-rounds", "40",
+                                         "--num-clients", "2", "--num-rounds", "400",
                                          "--request-length", "16", "--max-tokens", "2",
                                          "--timeout", "20", "--format", "json"])
         finally:
