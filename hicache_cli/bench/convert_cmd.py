@@ -104,10 +104,15 @@ def convert_trace(src: Src, dst: Dst, annotate: Annotate = False, ttl_factor: Tt
         out["inference"] = quality
     if fmt is OutputFormat.json:
         emit_json(out)
-        return
+    else:
+        _human(out, src, dst, factor)
+
+
+def _human(out: dict, src: Path, dst: Path, factor: float) -> None:
     stdout.print(f"wrote {out['requests']:,} requests ({out['blocks']:,} blocks) to "
                  f"{dst} ({out['bytes']:,} bytes); parsing {src.name} took "
-                 f"{parse_s:.2f} s", markup=False)
+                 f"{out['parse_seconds']:.2f} s", markup=False)
+    report, quality = out.get("annotate"), out.get("inference")
     if report is not None:
         st = report["inferred"]
         ttl = "exact" if factor == 1 else f"off by up to a factor of {factor:g}, seed " \
