@@ -418,7 +418,8 @@ def write_jsonl(trace: Trace, path: str) -> None:
     ttls = None if trace.ttl_s is None else trace.ttl_s.tolist()
     prio = None if trace.priorities is None else trace.priorities.tolist()
     with atomic_output(path) as raw:
-        out = gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) if path.endswith(".gz") else raw
+        out = gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6, mtime=0) \
+            if path.endswith(".gz") else raw
         try:
             for i in range(n):
                 t = ts[i]
