@@ -419,7 +419,7 @@ def write_jsonl(trace: Trace, path: str) -> None:
     prio = None if trace.priorities is None else trace.priorities.tolist()
     with atomic_output(path) as raw:
         out = gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6, mtime=0) \
-            if path.endswith(".gz") else raw
+            if path.lower().endswith(".gz") else raw
         try:
             for i in range(n):
                 t = ts[i]
