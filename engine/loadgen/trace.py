@@ -239,6 +239,8 @@ def _check_path(path: str) -> None:
 
 def _hints(obj: dict, where: str) -> tuple[bool, float, int]:
     """The hint fields of one line: (session_end, ttl_s or NaN, priority)."""
+    if "session_end" not in obj and "ttl_s" not in obj and "priority" not in obj:
+        return _NO_HINTS
     end = obj.get("session_end")
     if end is None:
         end = False
@@ -330,7 +332,10 @@ def _load_jsonl(path: str, cap: int) -> Trace:
     n_out: list[int] = []
     lens: list[int] = []
     sess: list[int] = []
-    hints: list[tuple] = []
+    ends: list[bool] = []            # hints: filled from the first line that has one
+    ttls: list[float] = []
+    prios: list[int] = []
+    hinted = False
     blocks = _Blocks()
     read = 0
     with _open_text(path) as f:
@@ -353,17 +358,21 @@ def _load_jsonl(path: str, cap: int) -> Trace:
             n_out.append(o)
             lens.append(len(ids))
             sess.append(key)
-            hints.append(hint)
+            if hint is not _NO_HINTS and not hinted:
+                hinted = True
+                back = len(ts) - 1
+                ends, ttls, prios = [False] * back, [math.nan] * back, [0] * back
+            if hinted:
+                ends.append(hint[0])
+                ttls.append(hint[1])
+                prios.append(hint[2])
             blocks.extend(ids)
             if len(ts) >= cap:
                 break
     offsets = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(lens, out=offsets[1:])
     keys = np.array(sess, dtype=np.int64)
-    if any(h is not _NO_HINTS for h in hints):
-        cols = hint_columns(*zip(*hints))
-    else:
-        cols = (None, None, None)
+    cols = hint_columns(ends, ttls, prios) if hinted else (None, None, None)
     return Trace(name, np.array(ts, dtype=np.float64), np.array(n_in, dtype=np.int64),
                  np.array(n_out, dtype=np.int64), offsets, blocks.array(),
                  keys if (keys != NO_SESSION).any() else None, *cols)

@@ -82,6 +82,8 @@ def convert_trace(src: Src, dst: Dst, annotate: Annotate = False, ttl_factor: Tt
     factor = 1.0 if ttl_factor is None else ttl_factor
     if not (math.isfinite(factor) and factor >= 1):
         raise UsageError(f"--ttl-factor {ttl_factor}: must be a finite number >= 1")
+    if seed is not None and not 0 <= seed < 1 << 63:
+        raise UsageError(f"--seed {seed}: must be an integer in [0, 2**63)")
     if dst.exists() and dst.resolve() == src.resolve():
         raise UsageError(f"{dst}: is the input trace; name another file")
     try:
