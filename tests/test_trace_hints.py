@@ -199,6 +199,15 @@ def test_ttl_is_the_gap_to_the_next_turn():
     assert np.array_equal(two, noisy_ttl(g, 2.0, seed=5), equal_nan=True)
     assert not np.array_equal(two, noisy_ttl(g, 2.0, seed=6), equal_nan=True)
     assert np.array_equal(noisy_ttl(g, 1.0), g, equal_nan=True)
+    assert noisy_ttl(np.array([9e6, 3e7]), 4.0, seed=1).max() <= 1e7   # what a trace may carry
+
+
+def test_cli_output_with_a_gap_past_the_ttl_limit_reads_back(tmp_path):
+    src, dst = tmp_path / "in.jsonl", str(tmp_path / "out.jsonl")
+    src.write_text(line(0, 1100, [0, 1, 2]) + line(2e10, 1700, [0, 1, 3, 4]))   # 2e7 s later
+    r = runner.invoke(app, ["bench", "convert-trace", str(src), dst, "--annotate-sessions"])
+    assert r.exit_code == 0, r.output
+    assert load_trace(dst).ttl_s[0] == 1e7
 
 
 def test_cli_annotates_and_scores_a_known_trace(tmp_path):

@@ -44,7 +44,7 @@ import math
 
 import numpy as np
 
-from engine.loadgen.trace import NO_SESSION, TRACE_BLOCK, Trace, TraceRecord
+from engine.loadgen.trace import MAX_TTL_S, NO_SESSION, TRACE_BLOCK, Trace, TraceRecord
 
 DEFAULT_MAX_BRANCHES = 2
 
@@ -198,14 +198,15 @@ def session_hints(trace: Trace, keys: np.ndarray,
 
 def noisy_ttl(gap_s: np.ndarray, factor: float, seed: int = 0) -> np.ndarray:
     """``gap_s`` with every value multiplied by a log-uniform factor in ``[1/factor, factor]``
-    drawn from ``seed`` (``factor`` 1: unchanged). NaN stays NaN."""
+    drawn from ``seed`` (``factor`` 1: unchanged), at most :data:`MAX_TTL_S` (what a trace
+    may carry). NaN stays NaN."""
     if not (math.isfinite(factor) and factor >= 1):
         raise ValueError(f"ttl factor must be a finite number >= 1, got {factor}")
     if factor == 1:
-        return gap_s.copy()
+        return np.minimum(gap_s, MAX_TTL_S)
     rng = np.random.default_rng(seed)
     u = rng.uniform(-1.0, 1.0, size=gap_s.shape)
-    return gap_s * np.exp(u * math.log(factor))
+    return np.minimum(gap_s * np.exp(u * math.log(factor)), MAX_TTL_S)
 
 
 def link_quality(truth: np.ndarray, inferred: Inferred, trace: Trace) -> dict:
