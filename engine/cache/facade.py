@@ -403,13 +403,16 @@ class HiCache:
         assert lower.hint_until is not None
         self.hints.mark([lower.parent], lower.hint_until, lower.hint_expiry)
 
-    def _distrust(self, namespace: Any) -> None:
-        """A namespace's hints stopped being trusted: its hinted nodes are ordinary again."""
+    def _distrust(self, namespace: Any, kind: str) -> None:
+        """A namespace's hints of ``kind`` (``close``/``ttl``) stopped being trusted: the nodes
+        they marked are ordinary again."""
+        closed = kind == "close"
         for tier in (self._t1, self._t2):
             if tier is None:
                 continue
             for _, _, node in tier.hheap:
-                if node.namespace == namespace and node.hint_until is not None:
+                if node.namespace == namespace and node.hint_until is not None \
+                        and (node.hint_until == float("inf")) == closed:
                     node.hint_until, node.hint_expiry = None, float("inf")
                     self._push_candidate(node)
 

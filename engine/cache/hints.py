@@ -42,6 +42,7 @@ SHARED = -1                        # ``Node.session`` of a block two sessions to
 MAX_TTL_S = 30 * 86400.0           # the longest retention a client may declare
 MAX_SESSION_KEY_CHARS = 256
 MAX_BRANCHES = 8                   # branch ends a session's close finds
+DEFAULT_GAP_S = 60.0               # a session's turn gap, until some were seen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,15 +89,16 @@ class CacheHint:
 
 class _Session:
     __slots__ = ("sid", "namespace", "key", "leaves", "claim_at", "claim_ttl", "closed",
-                 "declares")
+                 "declares", "seen")
 
     def __init__(self, sid: int, namespace: Any, key: Any):
         self.sid, self.namespace, self.key = sid, namespace, key
         self.leaves: list = []             # where its latest requests ended (its branches)
         self.claim_at = -1.0               # when the pending ttl claim was made (-1: none)
         self.claim_ttl = 0.0
-        self.closed = False
+        self.closed: bool | int = False    # it said it was over (2: and stayed away so far)
         self.declares = False              # it sent a retention (ttl) before
+        self.seen = -1.0                   # when its latest request came
 
 
 class _Trust:
@@ -115,12 +117,15 @@ class HintBook:
 
     ``grace``: a ttl declaration holds until ``t + grace·ttl``; ``band``: a declaration came
     true when the session's next request arrived within ``[ttl/band, ttl·band]``;
-    ``min_evidence`` declarations must have been judged, and at most ``1 - trust`` of them
-    wrong, before a namespace's hints are applied (counts halve past ``window``).
+    a namespace's hints are applied while the share of its declarations that came true is,
+    with 95% confidence, at least ``trust`` (the Wilson lower bound at ``z`` = 2 of right /
+    judged; counts halve past ``window``) — so a handful of lucky guesses does not switch
+    them on, and a namespace whose hints are right nine times in ten does not either.
+    ``min_evidence=0`` trusts a namespace before anything was judged (tests).
     """
 
     def __init__(self, *, max_sessions: int = 65536, grace: float = 2.0, band: float = 4.0,
-                 min_evidence: int = 8, trust: float = 0.75, window: int = 512):
+                 min_evidence: int = 8, trust: float = 0.9, window: int = 512):
         if max_sessions < 1 or grace < 1 or band < 1 or not 0 <= trust <= 1:
             raise ValueError("hint book: max_sessions >= 1, grace >= 1, band >= 1 and "
                              "0 <= trust <= 1")
@@ -134,11 +139,13 @@ class HintBook:
         self._next_sid = 0
         self._trust: dict[Any, _Trust] = {}
         self._expiry: list = []            # (expiry time, seq, nodes marked): ttl declarations
-        self._claims: list = []            # (deadline, seq, sid, claim_at): ttl claims to judge
+        self._claims: list = []            # (deadline, seq, sid, claim_at or -1-closed_at)
+        self._gap_log = 0.0
+        self._gap_n = 0.0
         self._seq = 0
         self.counters: collections.Counter = collections.Counter()
         # called with a namespace whose hints stop being trusted (the cache clears its marks)
-        self.on_distrust: Callable[[Any], None] = lambda namespace: None
+        self.on_distrust: Callable[[Any, str], None] = lambda namespace, kind: None
 
     # -- the clock ------------------------------------------------------------------------
     def set_clock(self, t: float, tick: int) -> None:
@@ -210,11 +217,13 @@ class HintBook:
                 del leaves[0]
 
     # -- trust ----------------------------------------------------------------------------
-    def _judge(self, namespace: Any, good: float, bad: float) -> None:
-        tr = self._trust.get(namespace)
+    def _judge(self, namespace: Any, kind: str, good: float, bad: float) -> None:
+        """Record one judged declaration of ``kind`` (``close`` or ``ttl``): each kind earns
+        its trust on its own, so right closes are used even when the retentions are off."""
+        tr = self._trust.get((namespace, kind))
         if tr is None:
-            tr = self._trust[namespace] = _Trust()
-        tr.good += good
+            tr = self._trust[(namespace, kind)] = _Trust()
+        tr.good = max(tr.good + good, 0.0)
         tr.bad += bad
         if tr.good + tr.bad > self.window:
             tr.good /= 2
@@ -222,48 +231,66 @@ class HintBook:
         self.counters["hints_right"] += good > 0
         self.counters["hints_wrong"] += bad > 0
         was = tr.on
-        tr.on = (tr.good + tr.bad >= self.min_evidence
-                 and tr.bad <= (1 - self.trust_level) * (tr.good + tr.bad) + 1e-9)
+        n = tr.good + tr.bad
+        tr.on = n >= self.min_evidence and (n > 0 and _wilson_low(tr.good, n) >= self.trust_level
+                                            or self.min_evidence == 0 and tr.bad == 0)
         if was and not tr.on:
             self.counters["distrusted"] += 1
-            self.on_distrust(namespace)
+            self.on_distrust(namespace, kind)
 
-    def trusted(self, namespace: Any) -> bool:
-        tr = self._trust.get(namespace)
+    def trusted(self, namespace: Any, kind: str) -> bool:
+        tr = self._trust.get((namespace, kind))
         return tr.on if tr is not None else self.min_evidence == 0
 
     def observe(self, s: _Session) -> None:
         """A request of session ``s`` arrived now: judge what the session declared before."""
-        if s.closed:                       # it said it was over: wrong
-            self._judge(s.namespace, -1.0, 1.0)
+        now = self.now
+        if s.seen >= 0:                    # the sessions' turn gaps (their geometric mean)
+            self._gap_log += math.log(max(now - s.seen, 1e-3))
+            self._gap_n += 1
+            if self._gap_n > 4096:
+                self._gap_log /= 2
+                self._gap_n /= 2
+        s.seen = now
+        if s.closed:                       # it said it was over: wrong (and not right after all)
+            self._judge(s.namespace, "close", -1.0 if s.closed == 2 else 0.0, 1.0)
             s.closed = False
         if s.claim_at >= 0:
             gap, ttl = self.now - s.claim_at, s.claim_ttl
             ok = ttl / self.band <= gap <= ttl * self.band
-            self._judge(s.namespace, float(ok), float(not ok))
+            self._judge(s.namespace, "ttl", float(ok), float(not ok))
             s.claim_at = -1.0
 
     def claim(self, s: _Session, ttl: float | None, close: bool) -> None:
         """Record what ``s`` declares now, to be judged by what it does next."""
-        if close:
+        self._seq += 1
+        if close:                          # right if it stays away band x a turn gap
             s.closed = True
             s.claim_at = -1.0
-            self._judge(s.namespace, 1.0, 0.0)      # taken back if the session returns
+            gap = math.exp(self._gap_log / self._gap_n) if self._gap_n else DEFAULT_GAP_S
+            heapq.heappush(self._claims, (self.now + gap * self.grace, self._seq, s.sid,
+                                          -1.0 - s.seen))
         elif ttl is not None:
             s.claim_at, s.claim_ttl = self.now, float(ttl)
-            self._seq += 1
             heapq.heappush(self._claims, (self.now + ttl * self.band, self._seq, s.sid,
                                           self.now))
 
     def judge_due(self) -> None:
-        """Declarations whose window passed with no request from their session: wrong."""
+        """Declarations whose window passed with no request from their session: a retention
+        was wrong (nobody came), a close was right (nobody came back)."""
         claims, now = self._claims, self.now
         while claims and claims[0][0] < now:
             _, _, sid, at = heapq.heappop(claims)
             s = self._by_sid.get(sid)
-            if s is not None and s.claim_at == at:
+            if s is None:
+                continue
+            if at < 0:
+                if s.closed and s.seen == -1.0 - at:
+                    self._judge(s.namespace, "close", 1.0, 0.0)
+                    s.closed = 2                   # judged right (taken back if it returns)
+            elif s.claim_at == at:
                 s.claim_at = -1.0
-                self._judge(s.namespace, 0.0, 1.0)
+                self._judge(s.namespace, "ttl", 0.0, 1.0)
 
     # -- hinted nodes ------------------------------------------------------------------------
     def mark(self, nodes: list, until: float, expiry: float) -> None:
@@ -295,14 +322,25 @@ class HintBook:
     def stats(self) -> dict[str, Any]:
         c = self.counters
         return {"sessions": len(self._sessions),
-                "trusted_namespaces": sum(t.on for t in self._trust.values()),
-                "namespaces_judged": len(self._trust),
+                "trusted_namespaces": len({ns for (ns, _), t in self._trust.items() if t.on}),
+                "trusted_closes": sum(t.on for (_, k), t in self._trust.items() if k == "close"),
+                "trusted_ttls": sum(t.on for (_, k), t in self._trust.items() if k == "ttl"),
+                "namespaces_judged": len({ns for ns, _ in self._trust}),
                 "hint_evictions": c["hint_evictions"], "closed_evictions": c["closed_evictions"],
                 "kept_by_hint": c["kept_by_hint"], "hints_applied": c["hints_applied"],
                 "hints_ignored": c["hints_ignored"], "hints_right": c["hints_right"],
                 "hints_wrong": c["hints_wrong"], "hints_expired": c["hints_expired"],
                 "sessions_closed": c["sessions_closed"], "sessions_dropped": c["sessions_dropped"],
                 "l3_writebacks_skipped": c["l3_writebacks_skipped"]}
+
+
+def _wilson_low(right: float, n: float, z: float = 2.0) -> float:
+    """The Wilson score interval's lower end for ``right`` successes in ``n`` trials."""
+    p = right / n
+    z2 = z * z
+    centre = p + z2 / (2 * n)
+    spread = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    return (centre - spread) / (1 + z2 / n)
 
 
 def hint_key(node: Any) -> tuple:
@@ -331,7 +369,7 @@ def apply_hint(book: HintBook, last: Any, namespace: Any, hint: CacheHint | None
     close = hint.close or (s.declares and ttl is None)   # no retention asked any more: over
     s.declares = ttl is not None
     book.claim(s, ttl, close)
-    on = book.trusted(namespace)
+    on = book.trusted(namespace, "close" if close else "ttl")
     counters = book.counters
     if close:
         until, expiry = INF, INF
@@ -409,6 +447,6 @@ def close_session(book: HintBook, namespace: Any, key: Any,
         return 0
     book.claim(s, None, True)
     book.counters["sessions_closed"] += 1
-    if not book.trusted(namespace):
+    if not book.trusted(namespace, "close"):
         return 0
     return len(_mark_closed(book, s, push))
