@@ -117,9 +117,9 @@ class HintBook:
 
     ``grace``: a ttl declaration holds until ``t + grace·ttl``; ``band``: a declaration came
     true when the session's next request arrived within ``[ttl/band, ttl·band]``;
-    a namespace's hints are applied while the share of its declarations that came true is,
-    with 95% confidence, at least ``trust`` (the Wilson lower bound at ``z`` = 2 of right /
-    judged; counts halve past ``window``) — so a handful of lucky guesses does not switch
+    a namespace's hints are applied while the share of its declarations that came true is, one
+    standard error below its estimate, at least ``trust`` (the Wilson score interval's lower
+    end at ``z`` = 1 of right / judged: nine right of nine; counts halve past ``window``) — so a handful of lucky guesses does not switch
     them on, and a namespace whose hints are right nine times in ten does not either.
     ``min_evidence=0`` trusts a namespace before anything was judged (tests).
     """
@@ -334,7 +334,7 @@ class HintBook:
                 "l3_writebacks_skipped": c["l3_writebacks_skipped"]}
 
 
-def _wilson_low(right: float, n: float, z: float = 2.0) -> float:
+def _wilson_low(right: float, n: float, z: float = 1.0) -> float:
     """The Wilson score interval's lower end for ``right`` successes in ``n`` trials."""
     p = right / n
     z2 = z * z
