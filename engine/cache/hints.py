@@ -119,8 +119,9 @@ class HintBook:
     true when the session's next request arrived within ``[ttl/band, ttl·band]``;
     a namespace's hints are applied while the share of its declarations that came true is, one
     standard error below its estimate, at least ``trust`` (the Wilson score interval's lower
-    end at ``z`` = 1 of right / judged: nine right of nine; counts halve past ``window``) — so a handful of lucky guesses does not switch
-    them on, and a namespace whose hints are right nine times in ten does not either.
+    end at ``z`` = 1 of right / judged: nine right of nine; counts halve past ``window``), so
+    a few lucky guesses do not switch them on, nor do hints right eight times in ten. Closes
+    and retentions earn trust apart (one kind can be right while the other is not).
     ``min_evidence=0`` trusts a namespace before anything was judged (tests).
     """
 

@@ -157,12 +157,15 @@ def server_info(url: str, timeout: float = 5.0) -> dict | None:
 
 def _payload(spec: RequestSpec, cfg: LoadConfig) -> dict[str, Any]:
     n = spec.max_tokens if cfg.max_tokens is None else min(spec.max_tokens, cfg.max_tokens)
-    return {
+    body = {
         "input_ids": list(spec.input_ids),
         "sampling_params": {"max_new_tokens": n, "temperature": 0.0,
                             "ignore_eos": cfg.ignore_eos},
         "stream": cfg.stream,
     }
+    if spec.hint:
+        body.update(spec.hint)             # the client's cache hints (docs/cache-hints.md)
+    return body
 
 
 def _fnum(v: Any) -> float:

@@ -19,7 +19,8 @@ Two conversation shapes share one implementation:
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, Sequence
+import time
+from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -37,6 +38,9 @@ class RequestSpec:
     input_ids: tuple[int, ...]
     max_tokens: int
     arrival: float | None = None
+    hint: Mapping[str, Any] | None = None
+    """Client cache hints sent with the request (fields of the ``/generate`` body:
+    docs/cache-hints.md)."""
 
     @property
     def prompt_len(self) -> int:
@@ -82,6 +86,11 @@ class ConversationConfig:
     """Tokens of a prefix shared by every client (system prompt and tool definitions)."""
     vocab_size: int = DEFAULT_VOCAB
     seed: int = 0
+    hints: bool = False
+    """The clients send cache hints: each turn its session and a retention (the gap it saw
+    between its last two turns, or ``first_ttl_s`` before it saw one); the last turn closes
+    the session."""
+    first_ttl_s: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("num_clients", "num_rounds", "request_length", "vocab_size"):
@@ -122,6 +131,24 @@ class ConversationSession:
         self.cfg = cfg
         self.client = client
         self._system = system
+        self._sent: float | None = None      # when this client's latest turn was made
+        self._gap = cfg.first_ttl_s          # the turn gap it expects (the last one it saw)
+
+    def _hint(self, turn: int) -> Mapping[str, Any] | None:
+        """What a hinting client says with ``turn``: its session, and when it will be back —
+        or, on its last turn, that the session ends (Dynamo's nvext spellings)."""
+        if not self.cfg.hints:
+            return None
+        now = time.monotonic()
+        if self._sent is not None:
+            self._gap = max(now - self._sent, 1e-3)
+        self._sent = now
+        key = f"client-{self.cfg.seed}-{self.client}"
+        if turn + 1 >= self.cfg.num_rounds:
+            return {"session_id": key,
+                    "nvext": {"session_control": {"session_id": key, "action": "close"}}}
+        return {"session_id": key,
+                "nvext": {"cache_control": {"type": "ephemeral", "ttl": f"{self._gap:.3f}s"}}}
 
     def _user_turn(self, rnd: int) -> tuple[int, ...]:
         cfg = self.cfg
@@ -130,7 +157,7 @@ class ConversationSession:
 
     def first(self) -> RequestSpec:
         return RequestSpec(self.client, 0, self._system + self._user_turn(0),
-                           self.cfg.output_length)
+                           self.cfg.output_length, hint=self._hint(0))
 
     def after(self, spec: RequestSpec, output_ids: Sequence[int] | None) -> RequestSpec | None:
         # A failed turn ends the client: its history is unknown, and retrying a prompt the
@@ -139,7 +166,7 @@ class ConversationSession:
             return None
         history = spec.input_ids + tuple(int(t) for t in output_ids)
         return RequestSpec(self.client, spec.turn + 1, history + self._user_turn(spec.turn + 1),
-                           self.cfg.output_length)
+                           self.cfg.output_length, hint=self._hint(spec.turn + 1))
 
 
 def conversation(name: str, cfg: ConversationConfig) -> Workload:
@@ -150,11 +177,11 @@ def conversation(name: str, cfg: ConversationConfig) -> Workload:
 
 def multiturn(num_clients: int = 8, num_rounds: int = 4, request_length: int = 256,
               output_length: int = 16, *, vocab_size: int = DEFAULT_VOCAB,
-              seed: int = 0) -> Workload:
+              seed: int = 0, hints: bool = False) -> Workload:
     """SGLang ``bench_multiturn``-style chat: every round appends one user turn and the answer."""
     return conversation("multiturn", ConversationConfig(
         num_clients=num_clients, num_rounds=num_rounds, request_length=request_length,
-        output_length=output_length, vocab_size=vocab_size, seed=seed))
+        output_length=output_length, vocab_size=vocab_size, seed=seed, hints=hints))
 
 
 # GPU-sized defaults (30K+ token prompts); CPU runs pass smaller sizes (see AGENTIC_CPU).
@@ -166,7 +193,7 @@ AGENTIC_CPU = dict(num_clients=4, num_rounds=6, context_length=1536, system_leng
 
 def agentic(num_clients: int = 4, num_rounds: int = 8, context_length: int = 32768,
             system_length: int = 4096, request_length: int = 1024, output_length: int = 128, *,
-            vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> Workload:
+            vocab_size: int = DEFAULT_VOCAB, seed: int = 0, hints: bool = False) -> Workload:
     """Agent loops over long contexts.
 
     Turn 0 sends ``context_length`` tokens: the shared ``system_length`` prefix plus the client's
@@ -179,4 +206,4 @@ def agentic(num_clients: int = 4, num_rounds: int = 8, context_length: int = 327
     return conversation("agentic", ConversationConfig(
         num_clients=num_clients, num_rounds=num_rounds, request_length=request_length,
         output_length=output_length, first_length=context_length - system_length,
-        system_length=system_length, vocab_size=vocab_size, seed=seed))
+        system_length=system_length, vocab_size=vocab_size, seed=seed, hints=hints))

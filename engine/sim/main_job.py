@@ -44,6 +44,7 @@ SHAPE_FIELDS = ("num_clients", "num_rounds", "request_length", "output_length",
                 "context_length", "system_length")
 TRACE_FIELDS = ("trace_limit", "trace_block_tokens")
 RUNS = (("l1_only", "L1 only"), ("hicache", "HiCache"))
+HINTS_RUN = ("hicache_hints", "HiCache + hints")
 
 Runner = Callable[[Workload, LoadConfig, str], LoadResult]
 """Runs one workload against a server (``run_load`` plus, in the CLI, a progress bar)."""
@@ -79,6 +80,9 @@ class MainJobConfig:
     device: str = "auto"
     model: str = "tiny"
     seed: int = 0
+    hints: bool = False
+    """Add a third run: HiCache again, its clients sending cache hints (each turn a retention,
+    the last turn a session close; docs/cache-hints.md)."""
     threads: int | None = 1
     """torch intra-op threads during the job (``None``: leave torch's setting). The server's
     HTTP thread and the load generator share the process, so one thread for the model leaves a
@@ -120,8 +124,9 @@ def check_options(cfg: MainJobConfig) -> None:
         raise ValueError(f"{opts} does not apply to the {kind} workload")
 
 
-def build_workload(cfg: MainJobConfig) -> Workload:
-    """The workload of ``cfg`` (fresh sessions: the same prompts every time)."""
+def build_workload(cfg: MainJobConfig, hints: bool = False) -> Workload:
+    """The workload of ``cfg`` (fresh sessions: the same prompts every time); ``hints``: its
+    clients send cache hints."""
     check_options(cfg)
     shape = cfg.shape()
     if cfg.is_trace:
@@ -130,8 +135,8 @@ def build_workload(cfg: MainJobConfig) -> Workload:
                               block_tokens_n=shape["trace_block_tokens"],
                               max_tokens=shape["output_length"])
     if cfg.workload == "agentic":
-        return agentic(**shape, seed=cfg.seed)
-    return multiturn(**shape, seed=cfg.seed)
+        return agentic(**shape, seed=cfg.seed, hints=hints)
+    return multiturn(**shape, seed=cfg.seed, hints=hints)
 
 
 def conversation_config(cfg: MainJobConfig) -> ConversationConfig | None:
@@ -158,6 +163,9 @@ def check_config(cfg: MainJobConfig) -> None:
     from engine.runtime.launch import ServerConfig
 
     resolve_device(cfg.device)
+    if cfg.hints and cfg.is_trace:
+        raise ValueError("--hints needs a generated workload (agentic or multiturn): a trace's "
+                         "clients send no hints")
     if cfg.concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {cfg.concurrency}")
     if cfg.threads is not None and not 1 <= cfg.threads <= MAX_THREADS:
@@ -264,18 +272,44 @@ def run_main_job(cfg: MainJobConfig, runner: Runner = _plain_runner) -> dict:
     runs: dict[str, dict] = {}
     with torch_threads(cfg.threads), \
             tempfile.TemporaryDirectory(prefix="hicache-bench-l3-") as l3_dir:
-        for name, label in RUNS:
-            hicache = name == "hicache"
-            srv = server_config(cfg, hicache, l3_dir if cfg.storage else None)
-            wl = build_workload(cfg)        # fresh sessions: the same prompts in both runs
+        for name, label in RUNS + ((HINTS_RUN,) if cfg.hints else ()):
+            hicache = name != "l1_only"
+            srv = server_config(cfg, hicache, _fresh(l3_dir, name) if cfg.storage else None)
+            # fresh sessions: the same prompts in every run
+            wl = build_workload(cfg, hints=name == HINTS_RUN[0])
             with embedded_server(srv, label) as url:
                 result = runner(wl, LoadConfig(url=url, concurrency=cfg.concurrency,
                                                seed=cfg.seed), label)
             runs[name] = summarize_result(result)
     tiers = "L1+L2+L3(file)" if cfg.storage else "L1+L2"
     config = {**dataclasses.asdict(cfg), "shape": cfg.shape(), "hicache_tiers": tiers}
-    return {"config": config, "runs": runs, "comparison": compare(runs["l1_only"], runs["hicache"]),
+    comparison = compare(runs["l1_only"], runs["hicache"])
+    if cfg.hints:
+        comparison["hints"] = compare_hints(runs["hicache"], runs[HINTS_RUN[0]])
+    return {"config": config, "runs": runs, "comparison": comparison,
             "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
+
+
+def _fresh(l3_dir: str, name: str) -> str:
+    """The run's own file-L3 directory (a run must not read what an earlier one stored)."""
+    import os
+
+    path = os.path.join(l3_dir, name)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def compare_hints(plain: dict, hinted: dict) -> dict:
+    """The hinted HiCache run beside the plain one: hit rates (all tiers, and L1 alone — what
+    the hints move), and how many times lower the hinted run's TTFT is."""
+    return {
+        "hit_rate_hicache": plain["hit_rate"]["total"],
+        "hit_rate_hints": hinted["hit_rate"]["total"],
+        "l1_hit_rate_hicache": plain["hit_rate"]["device"],
+        "l1_hit_rate_hints": hinted["hit_rate"]["device"],
+        "ttft_p50_ratio": _ratio(plain["ttft_s"]["p50"], hinted["ttft_s"]["p50"]),
+        "ttft_p90_ratio": _ratio(plain["ttft_s"]["p90"], hinted["ttft_s"]["p90"]),
+    }
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -7,7 +7,7 @@ by side with the hit rates and how many times lower HiCache's TTFT is.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 
@@ -19,6 +19,8 @@ from hicache_cli.bench.run_cmd import report_table, run_with_progress
 from hicache_cli.output import OutputFormat, emit_json, fail, handle_errors, stderr, stdout
 
 D = MainJobConfig
+Hints = Annotated[bool, typer.Option("--hints", help="Add a run of HiCache whose clients send "
+                                     "cache hints (a retention each turn, a close at the end).")]
 
 
 def main_job(
@@ -49,6 +51,7 @@ def main_job(
     model: str = typer.Option(D.model, help="Model preset or local checkpoint dir."),
     seed: int = typer.Option(D.seed, help="Seed of the generated prompts."),
     threads: Optional[int] = typer.Option(D.threads, min=1, help="torch intra-op threads for the model."),
+    hints: Hints = D.hints,
     fmt: OutputFormat = typer.Option(OutputFormat.human, "--format", help="human | json."),
     replicas: Optional[int] = typer.Option(
         None, "--replicas", help="Run the workload through SGLang's router over N HiCache "
@@ -64,18 +67,17 @@ def main_job(
         "", "--router-args", help="With --replicas: more sglang-router options, as one string "
                                   "(e.g. '--balance-abs-threshold 8')."),
 ) -> None:
-    """Compare L1 only with HiCache on one workload (embedded server): hit rate per tier, TTFT,
-    throughput."""
+    """Compare L1 only with HiCache on one workload (embedded server): hit rate, TTFT, rate."""
     if ctx.invoked_subcommand is not None:
         return
     job = MainJobConfig(
         workload=workload, num_clients=num_clients, num_rounds=num_rounds,
         request_length=request_length, output_length=output_length,
         context_length=context_length, system_length=system_length, trace_limit=trace_limit,
-        trace_block_tokens=trace_block_tokens,
-        concurrency=concurrency, l1_tokens=l1_tokens or D.l1_tokens,
+        trace_block_tokens=trace_block_tokens, concurrency=concurrency,
+        l1_tokens=l1_tokens or D.l1_tokens,
         fit_l1=l1_tokens is None, l2_tokens=l2_tokens, storage=storage,
-        device=device, model=model, seed=seed, threads=threads)
+        device=device, model=model, seed=seed, threads=threads, hints=hints)
     if replicas is not None:
         _fleet_job(job, replicas, [p.strip() for p in router.split(",") if p.strip()], fmt,
                    cache_threshold, router_args)
@@ -150,13 +152,23 @@ def _times(v: float | None) -> str:
 
 def _print_human(res: dict) -> None:
     a, b, c = res["runs"]["l1_only"], res["runs"]["hicache"], res["comparison"]
-    stdout.print(report_table([("L1 only", a), (f"HiCache {res['config']['hicache_tiers']}", b)],
-                              title=title(res)))
+    tiers = res["config"]["hicache_tiers"]
+    rows = [("L1 only", a), (f"HiCache {tiers}", b)]
+    if "hicache_hints" in res["runs"]:
+        rows.append((f"HiCache {tiers} + hints", res["runs"]["hicache_hints"]))
+    stdout.print(report_table(rows, title=title(res)))
     pct = [f"{100 * (v or 0):.1f}%" for v in (c["hit_rate_l1_only"], c["hit_rate_hicache"])]
     stdout.print(f"HiCache vs L1 only: hit rate {pct[0]} -> {pct[1]}, "
                  f"TTFT p50 {_times(c['ttft_p50_ratio'])} lower, "
                  f"throughput {_times(c['input_throughput_ratio'])} (input tokens/s); "
                  f"wall {res['wall_s']:.1f} s (CPU {res['cpu_s']:.1f} s)")
+    h = c.get("hints")
+    if h is not None:
+        pct = [f"{100 * (v or 0):.1f}%" for v in (h["l1_hit_rate_hicache"], h["l1_hit_rate_hints"],
+                                                 h["hit_rate_hicache"], h["hit_rate_hints"])]
+        stdout.print(f"hints vs none: L1 hit rate {pct[0]} -> {pct[1]} (all tiers {pct[2]} -> "
+                     f"{pct[3]}), TTFT p50 {_times(h['ttft_p50_ratio'])} lower, p90 "
+                     f"{_times(h['ttft_p90_ratio'])}")
 
 
 def register(app: typer.Typer) -> None:
