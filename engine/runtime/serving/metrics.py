@@ -158,3 +158,29 @@ def render(m: SchedulerMetrics, cache_stats: dict[str, Any], running: int, waiti
     w.histogram("ttft_seconds", "Arrival to first output token.", m.ttft)
     w.histogram("e2e_latency_seconds", "Arrival to finish.", m.e2e_latency)
     return w.text()
+
+
+SESSION_HELP = {
+    "sessions": ("gauge", "Client sessions the server's registry holds (opened or seen)."),
+    "opened_sessions": ("gauge", "Sessions opened (/open_session, nvext open) and not closed."),
+    "max_sessions": ("gauge", "The registry's bound (--max-sessions)."),
+}
+
+
+def render_hints(hint_stats: dict[str, Any], session_stats: dict[str, Any]) -> str:
+    """Client cache hints: the cache's counters (``hicache_hint_*``: ``HiCache.hint_stats()``;
+    a key ending in ``_total`` is a counter, any other a gauge) and the session registry's
+    (``hicache_sessions_*``)."""
+    w = _Writer()
+    for key, v in sorted(hint_stats.items()):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        kind = "counter" if key.endswith("_total") else "gauge"
+        name = key if key.startswith("hint_") else f"hint_{key}"
+        w.scalar(name, kind, f"Cache hints: {key.replace('_', ' ')} (the cache's count).", v)
+    for key, v in sorted(session_stats.items()):
+        kind, help_ = SESSION_HELP.get(key, ("counter" if key.endswith("_total") else "gauge",
+                                             f"Session registry: {key.replace('_', ' ')}."))
+        name = key if key.endswith("sessions") else f"sessions_{key}"
+        w.scalar(name, kind, help_, v)
+    return w.text()
