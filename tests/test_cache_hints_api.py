@@ -300,7 +300,7 @@ def _compete(hints: bool) -> dict:
         (na, ida), (nb, idb) = _held(h, pa), _held(h, pb)
         assert na == nb == 96
         gone_first = None
-        for i in range(60):
+        for _ in range(60):
             p = rng.integers(0, 256, 48).tolist()
             assert _post(h, "/generate", {"input_ids": p, "sampling_params": {
                 "max_new_tokens": 1, "temperature": 0}}).ok

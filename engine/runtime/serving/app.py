@@ -432,7 +432,7 @@ def make_app(engine: Engine) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/metrics", metrics)
     info.add_routes(app)
-    session_routes.add_routes(app)
+    session_routes.add_routes(app, _json_body)
     for method in ("GET", "POST"):
         app.router.add_route(method, "/flush_cache", flush_cache)
         app.router.add_route(method, "/clear_hicache_storage_backend", clear_storage)

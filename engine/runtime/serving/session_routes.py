@@ -8,7 +8,7 @@ A close reaches the cache at a scheduler step (every rank of a group at the same
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
@@ -51,23 +51,19 @@ def parse_open(body: Any) -> tuple[Any, str | None, float | None, int]:
     return _namespace(body), sid, None if t is None else float(t), cap
 
 
-async def open_session(request: web.Request) -> web.Response:
+async def open_session(request: web.Request, body: Any) -> web.Response:
     """Returns the session id as SGLang does (a JSON string)."""
-    from engine.runtime.serving.app import _json_body
-
     engine = request.app[ENGINE_KEY]
-    ns, sid, timeout, cap = parse_open(await _json_body(request))
+    ns, sid, timeout, cap = parse_open(body)
     sid = engine.sessions.open(ns, sid, timeout_s=timeout, capacity=cap)
     return web.json_response(sid)
 
 
-async def close_session(request: web.Request) -> web.Response:
+async def close_session(request: web.Request, body: Any) -> web.Response:
     """SGLang's CloseSessionReqInput ``{"session_id"}`` (and this server's namespace fields):
     200 with an empty body; an unknown session is a 400."""
-    from engine.runtime.serving.app import _json_body
-
     engine = request.app[ENGINE_KEY]
-    body = _require_object(await _json_body(request))
+    body = _require_object(body)
     sid, ns = _sid(body.get("session_id")), _namespace(body)
     engine.sessions.close(ns, sid)
     engine.scheduler.close_session(ns, sid)
@@ -96,7 +92,14 @@ def reg_has(engine: Any, ns: Any, session: str) -> bool:
     return engine.sessions.key(ns, session) in engine.sessions
 
 
-def add_routes(app: web.Application) -> None:
+def add_routes(app: web.Application, read_json: Callable[[web.Request], Awaitable[Any]]
+               ) -> None:
+    """The two endpoints; ``read_json(request)``: the app's bounded JSON body reader."""
+    def route(handler: Any) -> Any:
+        async def h(request: web.Request) -> web.Response:
+            return await handler(request, await read_json(request))
+        return h
+
     for method in ("GET", "POST"):
-        app.router.add_route(method, "/open_session", open_session)
-        app.router.add_route(method, "/close_session", close_session)
+        app.router.add_route(method, "/open_session", route(open_session))
+        app.router.add_route(method, "/close_session", route(close_session))
