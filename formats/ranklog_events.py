@@ -97,10 +97,19 @@ CP_ALLOC = EventKind("cp_alloc", ("rid", "first_owner", "pages"),
 CP_CUT = EventKind("cp_cut", ("rid", "at_page", "pages"),
                    doc="CP: a request's pages from at_page on would break the owner rotation "
                        "of the path they join; they are not cached")
+HINT = EventKind("hint", ("rid", "session", "ttl", "close", "applied", "nodes"),
+                 category=EVENT, deciding=("session", "ttl", "close", "applied", "nodes"),
+                 doc="a request's client hint (docs/eviction.md, \"Hints\"): its session, "
+                     "ttl (s) and close flag; applied: the namespace's hints are trusted; "
+                     "nodes: the private nodes it marked")
+SESSION_CLOSE = EventKind("session_close", ("session", "nodes"), category=EVENT,
+                          deciding=("session", "nodes"),
+                          doc="a client closed a session: nodes of its private KV marked first "
+                              "to go")
 
 KINDS: dict[str, EventKind] = {k.name: k for k in (
     MATCH, LOCK, UNLOCK, INSERT, RESTORE, RESTORE_DONE, BACKUP, BACKUP_DONE, EVICT, PP_ACK, FLUSH,
-    CP_ALLOC, CP_CUT)}
+    CP_ALLOC, CP_CUT, HINT, SESSION_CLOSE)}
 
 
 def kind_of(name: Any) -> EventKind | None:

@@ -98,12 +98,13 @@ def token_counts(flag: str, text: str) -> list[int]:
 
 
 def policy_list(flag: str, text: str) -> list[str]:
-    """``'lru,opt'`` → registered eviction-policy names, in order, without repeats."""
+    """``'lru,opt'`` → registered eviction-policy names, in order, without repeats (a name may
+    carry hint signals, ``lru+session-end``: checked by the sweep)."""
     known = policy_names(include_offline=True)
     names = [p.strip() for p in text.split(",") if p.strip()]
     if not names:
         raise UsageError(f"{flag}: name at least one policy")
-    bad = [p for p in names if p not in known]
+    bad = [p for p in names if p.partition("+")[0] not in known]
     if bad:
         raise UsageError(f"{flag}: {bad[0]!r} is not an eviction policy; choose from "
                          f"{', '.join(known)}")

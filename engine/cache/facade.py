@@ -21,6 +21,7 @@ import numpy as np
 
 from engine.cache.allocator import PageAllocator
 from engine.cache.events import EV, EventLog
+from engine.cache.hints import CacheHint, HintBook, apply_hint, close_session
 from engine.cache.l3 import L3Tier
 from engine.cache.policy import EvictionPolicy, make_policy
 from engine.cache.radix_tree import Node, RadixTree
@@ -111,6 +112,8 @@ class HiCache:
         self._t2 = (Tier("l2", self.l2_alloc, l2_candidate, self._evict_l2_node)
                     if self.l2_alloc is not None else None)
         self.counters: collections.Counter = collections.Counter()
+        # client hints (engine.cache.hints): made by the first set_clock or hinted request
+        self.hints: HintBook | None = None
         attach = getattr(self.policy, "attach", None)
         if attach is not None:             # a policy that needs the tier size (``bip``)
             attach(self)
@@ -213,6 +216,8 @@ class HiCache:
             tree.clock += 1
             tree.split_lower.last_access = tree.clock
             push(tree.split_lower)
+            if tree.split_lower.hint_until is not None:
+                self._hinted_split(tree.split_lower)
         l3_len = 0
         hashes: list = []
         if self.l3 is not None:
@@ -333,22 +338,80 @@ class HiCache:
     def release(self, tokens: np.ndarray, pages: np.ndarray, *, insert: bool,
                 n_prefix_pages: int = 0, namespace: Namespace | str | None = None,
                 rid: Any = None, priority: int = 0, prefix_hashes: Sequence = (),
-                receipt: "LockReceipt | None" = None) -> None:
+                receipt: "LockReceipt | None" = None, hint: CacheHint | None = None) -> None:
         """The end of one request — the one path the scheduler and the P/D prefill worker
         take. ``insert``: the full pages of ``tokens`` (whose KV ``pages`` hold) go into the
         tree, which owns them from now on, and the pages past them are freed; else only the
         request's own pages (after the ``n_prefix_pages`` its match locked) are freed. Then
         its lock (``receipt``) is released. A wrapper (CP) that has its own :meth:`insert`
-        gets it through this same method."""
+        gets it through this same method. ``hint``: what the client said of the request's
+        session (:class:`~engine.cache.hints.CacheHint`), applied to its path."""
+        last = receipt._node if receipt is not None else None
         if insert:
             n_full = len(tokens) // self.page_size
-            self.insert(tokens[:n_full * self.page_size], pages[:n_full], namespace, rid=rid,
-                        priority=priority, prefix_hashes=prefix_hashes, after=receipt)
+            last = self.insert(tokens[:n_full * self.page_size], pages[:n_full], namespace,
+                               rid=rid, priority=priority, prefix_hashes=prefix_hashes,
+                               after=receipt) or last
             self.free(pages[n_full:])
         else:
             self.free(pages[n_prefix_pages:])
+        if hint is not None or self.hints is not None:
+            self.hint(last, namespace, hint, rid=rid)
         if receipt is not None:
             self.unlock(receipt)
+
+    # ------------------------------------------------------------------ client hints
+    def _hint_book(self) -> HintBook:
+        if self.hints is None:
+            self.hints = HintBook(**self.config.hint_kwargs)
+            self.hints.on_distrust = self._distrust
+        return self.hints
+
+    def set_clock(self, t: float) -> None:
+        """The hint clock, in seconds (every rank of a group gets the same value at the same
+        step): judges declarations whose time passed and expires stale hints."""
+        book = self._hint_book()
+        book.set_clock(t, self.tree.clock)
+        book.judge_due()
+        book.expire_due(self._push_candidate)
+
+    def hint(self, last: Node | None, namespace: Namespace | str | None,
+             hint: CacheHint | None, rid: Any = None) -> int:
+        """Apply a request's hint to the path ending at ``last`` (engine.cache.hints); one
+        ``hint`` event when a hint was given. Returns the nodes hinted."""
+        n, on = apply_hint(self._hint_book(), last, as_namespace(namespace), hint,
+                           self._push_candidate)
+        if hint is not None:
+            self.events.emit(EV.HINT, rid=rid, session=None if hint.session is None
+                             else str(hint.session), ttl=hint.ttl_s, close=hint.close,
+                             applied=on, nodes=n)
+        return n
+
+    def close_session(self, namespace: Namespace | str | None, session: str | int) -> int:
+        """A client closed ``session``: its private KV goes first. Returns the nodes marked."""
+        n = close_session(self._hint_book(), as_namespace(namespace), session,
+                          self._push_candidate)
+        self.events.emit(EV.SESSION_CLOSE, session=str(session), nodes=n)
+        return n
+
+    def hint_stats(self) -> dict[str, Any]:
+        return self._hint_book().stats()
+
+    def _hinted_split(self, lower: Node) -> None:
+        """A walk split a hinted edge: its new upper half holds the same declaration."""
+        assert self.hints is not None and lower.parent is not None
+        assert lower.hint_until is not None
+        self.hints.mark([lower.parent], lower.hint_until, lower.hint_expiry)
+
+    def _distrust(self, namespace: Any) -> None:
+        """A namespace's hints stopped being trusted: its hinted nodes are ordinary again."""
+        for tier in (self._t1, self._t2):
+            if tier is None:
+                continue
+            for _, _, node in tier.hheap:
+                if node.namespace == namespace and node.hint_until is not None:
+                    node.hint_until, node.hint_expiry = None, float("inf")
+                    self._push_candidate(node)
 
     # ------------------------------------------------------------------ insert
     def insert(self, tokens: Sequence[int] | np.ndarray, pages: np.ndarray,
@@ -377,6 +440,8 @@ class HiCache:
         if start is not None:
             assert start.lock_ref > 0 and start.namespace == namespace, "stale insert hint"
         path, pos = self.tree.walk(toks, namespace, start=start)
+        if self.tree.split_lower is not None and self.tree.split_lower.hint_until is not None:
+            self._hinted_split(self.tree.split_lower)
         tick = self.tree.tick
         off = 0
         revived: list[Node] = []
@@ -553,7 +618,7 @@ class HiCache:
                 claimed[start:start + k] = True
                 self._push_candidate(node)
                 if self.l3 is not None and node.l3 < k:
-                    self.l3.put(node)
+                    self._l3_put(node)
             if not claimed.all():
                 assert self.l2_alloc is not None  # a backup op implies an L2 tier
                 self.l2_alloc.free(op.dst_pages[~claimed])
@@ -563,17 +628,28 @@ class HiCache:
     def _push_candidate(self, node: Node) -> None:
         if node.parent is None or node.lock_ref:
             return
+        hinted = node.hint_until is not None
         if node.l1 is not None and node.n_l1_children == 0:
-            self._t1.push(self.policy.key(node), node)
+            if hinted:
+                self._t1.push_hinted(node)
+            else:
+                self._t1.push(self.policy.key(node), node)
         if node.l2 is not None and (node.l1 is not None or not node.children):
             t2 = self._t2
             assert t2 is not None            # L2 pages imply an L2 tier
-            t2.push(self.policy.key(node), node)
+            if hinted:
+                t2.push_hinted(node)
+            else:
+                t2.push(self.policy.key(node), node)
 
     def _evict(self, tier: Tier, n_pages: int) -> int:
         """One eviction pass over ``tier`` (:meth:`Tier.evict`), recorded as one ``evict``."""
-        freed, eligible, evicted = tier.evict(n_pages, self.policy.key, self.page_size,
-                                              self.tree)
+        if tier.hheap and self.hints is not None:
+            freed, eligible, evicted = tier.evict_hinted(n_pages, self.policy.key,
+                                                         self.page_size, self.tree, self.hints)
+        else:
+            freed, eligible, evicted = tier.evict(n_pages, self.policy.key, self.page_size,
+                                                  self.tree)
         if eligible:
             self.events.emit(EV.EVICT, tier=tier.name, eligible=eligible, evicted=evicted)
             self.counters[f"evicted_{tier.name}_pages"] += freed
@@ -598,6 +674,8 @@ class HiCache:
         elif not node.children:            # nowhere else: the node leaves the tree
             self.l1_alloc.free(pages)
             node.l1 = None
+            if self.hints is not None:
+                self.hints.on_remove(node)
             self.tree.remove_leaf(node)
         else:
             return False
@@ -611,16 +689,27 @@ class HiCache:
 
     def _evict_l2_node(self, node: Node) -> bool:
         if self.l3 is not None and node.l3 < len(node.tokens) // self.page_size:
-            self.l3.put(node, sync=True)
+            self._l3_put(node, sync=True)
         parent, pages = node.parent, node.l2
         # an L2 candidate: a tree node on L2 (so there is an L2 tier)
         assert parent is not None and pages is not None and self.l2_alloc is not None
         self.l2_alloc.free(pages)
         node.l2 = None
         if node.l1 is None:                # an L2-only leaf leaves the tree
+            if self.hints is not None:
+                self.hints.on_remove(node)
             self.tree.remove_leaf(node)
             self._push_candidate(parent)
         return True
+
+    def _l3_put(self, node: Node, sync: bool = False) -> None:
+        """Store ``node``'s pages in L3 — unless its session closed (never needed again)."""
+        assert self.l3 is not None
+        if node.hint_until == float("inf"):
+            assert self.hints is not None
+            self.hints.counters["l3_writebacks_skipped"] += 1
+        else:
+            self.l3.put(node, sync=sync)
 
     def flush(self, scope: "FlushScope | str" = "cache") -> None:
         """Empty tiers (:class:`FlushScope`): ``cache`` drops every unlocked page of L1 and L2

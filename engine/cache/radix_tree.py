@@ -30,6 +30,7 @@ class Node:
         "l1", "l2", "l3", "l3_hashes",
         "lock_ref", "hit_count", "last_access", "priority", "cp_owner",
         "n_l1_children", "loading", "backing_up",
+        "session", "hint_until", "hint_expiry",
     )
 
     def __init__(self, node_id: int, parent: "Node | None", tokens: np.ndarray,
@@ -52,6 +53,12 @@ class Node:
         self.loading: TransferOp | None = None  # in-flight L2->L1 load op or None
         # (in-flight L1->L2 op, first page of this edge in the op) or None
         self.backing_up: tuple[TransferOp, int] | None = None
+        # client hints (engine.cache.hints): the owning session's id (-1: shared by several),
+        # the predicted next use in seconds (inf: its session closed; None: no hint) and when
+        # that declaration expires
+        self.session: int | None = None
+        self.hint_until: float | None = None
+        self.hint_expiry = float("inf")
 
     @property
     def is_root(self) -> bool:
@@ -132,6 +139,9 @@ class RadixTree:
         upper.last_access = node.last_access
         upper.priority = node.priority
         upper.cp_owner = node.cp_owner
+        upper.session = node.session
+        upper.hint_until = node.hint_until
+        upper.hint_expiry = node.hint_expiry
         upper.loading = node.loading
         if node.loading is not None:
             node.loading.payload.append(upper)

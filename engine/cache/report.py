@@ -30,4 +30,5 @@ def cache_stats(cache, counters: Iterable[str]) -> dict[str, Any]:
         "inflight_ops": sum(len(q) for q in cache._inflight.values()),
         "l3": cache.l3.stats() if cache.l3 is not None else None,
         "policy": policy_stats(cache.policy),
+        **({} if cache.hints is None else {"hints": cache.hints.stats()}),
     }

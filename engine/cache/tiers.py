@@ -41,13 +41,14 @@ class Tier:
     default :func:`agreed_tie`); stale entries (the node is no candidate any more, or its key
     changed) are skipped when popped, so pushing is cheap."""
 
-    __slots__ = ("name", "alloc", "heap", "seq", "is_candidate", "evict_one", "tie")
+    __slots__ = ("name", "alloc", "heap", "hheap", "seq", "is_candidate", "evict_one", "tie")
 
     def __init__(self, name: str, alloc: Any, is_candidate: Callable[[Node], bool],
                  evict_one: Callable[[Node], bool]):
         self.name = name
         self.alloc = alloc
         self.heap: list = []
+        self.hheap: list = []      # hinted candidates (engine.cache.hints), latest next use first
         self.seq = 0
         self.is_candidate = is_candidate
         self.evict_one = evict_one
@@ -56,6 +57,12 @@ class Tier:
     def push(self, key: Any, node: Node) -> None:
         self.seq += 1
         heapq.heappush(self.heap, (key, self.tie(node, self.seq), node))
+
+    def push_hinted(self, node: Node) -> None:
+        assert node.hint_until is not None
+        self.seq += 1
+        heapq.heappush(self.hheap, ((-node.hint_until, node.last_access),
+                                    self.tie(node, self.seq), node))
 
     def rebuild(self, nodes: Iterable[Node], key: Callable[[Node], Any]) -> None:
         """A fresh heap of exactly the current candidates (drops every stale entry)."""
@@ -96,4 +103,68 @@ class Tier:
             freed += pages
         if len(self.heap) > 4 * tree.num_nodes + 4096:
             self.rebuild(tree.iter_nodes(), key)
+        return freed, eligible, evicted
+
+    def evict_hinted(self, n_pages: int, key: Callable[[Node], Any], page_size: int,
+                     tree: RadixTree, book: Any) -> tuple[int, list[int], list[int]]:
+        """:meth:`evict` with client hints (engine.cache.hints): the unhinted candidates stay in
+        the policy's order (``heap``), the hinted ones in order of predicted next use
+        (``hheap``), and each step evicts the one predicted to be needed last — a hinted
+        candidate when its predicted use is no sooner than the policy's candidate's age
+        estimate (last used ``a`` seconds ago: back in ``a`` seconds)."""
+        is_candidate, evict_one = self.is_candidate, self.evict_one
+        heap, hheap = self.heap, self.hheap
+        now = book.now
+        counters = book.counters
+        freed = 0
+        eligible: list[int] = []
+        evicted: list[int] = []
+        rebuilt = False
+        top = None                            # the base heap's top entry, validated
+        while freed < n_pages:
+            while heap and heap[0] is not top:
+                k, _, node = heap[0]
+                if is_candidate(node) and node.hint_until is None and key(node) == k:
+                    top = heap[0]
+                    break
+                heapq.heappop(heap)
+            while hheap:
+                (neg, last), _, node = hheap[0]
+                if is_candidate(node) and node.hint_until == -neg and node.last_access == last:
+                    break
+                heapq.heappop(hheap)
+            if not heap and not hheap:
+                if rebuilt:
+                    break
+                self.rebuild((n for n in tree.iter_nodes() if n.hint_until is None), key)
+                for n in tree.iter_nodes():
+                    if n.hint_until is not None and is_candidate(n):
+                        self.push_hinted(n)
+                heap, hheap = self.heap, self.hheap
+                top = None
+                rebuilt = True
+                continue
+            if hheap and (not heap or -hheap[0][0][0] >= 2 * now - book.time_of(
+                    heap[0][2].last_access)):
+                _, _, node = heapq.heappop(hheap)
+                counters["hint_evictions"] += 1
+                if node.hint_until == float("inf"):
+                    counters["closed_evictions"] += 1
+            else:
+                _, _, node = heapq.heappop(heap)
+                top = None
+                if hheap:
+                    counters["kept_by_hint"] += 1
+            eligible.append(node.id)
+            pages = len(node.tokens) // page_size
+            if not evict_one(node):
+                continue
+            evicted.append(node.id)
+            freed += pages
+        if len(self.heap) + len(self.hheap) > 4 * tree.num_nodes + 4096:
+            self.rebuild((n for n in tree.iter_nodes() if n.hint_until is None), key)
+            self.hheap = []
+            for n in tree.iter_nodes():
+                if n.hint_until is not None and is_candidate(n):
+                    self.push_hinted(n)
         return freed, eligible, evicted

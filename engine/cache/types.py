@@ -61,6 +61,7 @@ class CacheConfig:
     sidecar: KVLayout | None = None
     events: bool = True
     policy_kwargs: dict = dataclasses.field(default_factory=dict)
+    hint_kwargs: dict = dataclasses.field(default_factory=dict)   # engine.cache.hints.HintBook
 
     def __post_init__(self) -> None:
         for name in ("page_size",):

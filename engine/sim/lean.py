@@ -19,12 +19,16 @@ of ``insert`` (it ends where the match's walk did: eviction removes nodes, it ne
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
 
+from engine.cache.hints import CacheHint, HintBook, apply_hint
 from engine.cache.radix_tree import Node, RadixTree
 from engine.cache.tiers import Tier, l1_candidate
+
+if TYPE_CHECKING:
+    from engine.sim.replay import TraceHints
 
 
 class _Pages:
@@ -41,8 +45,10 @@ class LeanReplay:
 
     page_size = 1
 
-    def __init__(self, num_pages: int, policy):
+    def __init__(self, num_pages: int, policy, hints: HintBook | None = None):
+        """``hints``: replay the trace's client hints through this book (engine.cache.hints)."""
         self.tree = RadixTree(1)
+        self.hints = hints
         self.l1_alloc = _Pages(num_pages)
         self.free_pages = num_pages
         self.policy = policy
@@ -57,7 +63,10 @@ class LeanReplay:
         """The facade's ``_push_candidate`` on an L1-only cache."""
         if node.parent is None or node.lock_ref or node.n_l1_children:
             return
-        self._t1.push(self.policy.key(node), node)
+        if node.hint_until is not None:
+            self._t1.push_hinted(node)
+        else:
+            self._t1.push(self.policy.key(node), node)
 
     def _evict_one(self, node: Node) -> bool:
         """The facade's ``_evict_l1_node`` with no L2: a leaf leaves the tree."""
@@ -66,13 +75,19 @@ class LeanReplay:
         parent = node.parent
         self.free_pages += len(node.tokens)
         node.l1 = None
+        if self.hints is not None:
+            self.hints.on_remove(node)
         self.tree.remove_leaf(node)
         parent.n_l1_children -= 1
         self._push(parent)
         return True
 
     def _evict(self, n_pages: int) -> int:
-        freed, _, _ = self._t1.evict(n_pages, self.policy.key, 1, self.tree)
+        t1 = self._t1
+        if t1.hheap and self.hints is not None:
+            freed, _, _ = t1.evict_hinted(n_pages, self.policy.key, 1, self.tree, self.hints)
+        else:
+            freed, _, _ = t1.evict(n_pages, self.policy.key, 1, self.tree)
         self.evicted_pages += freed
         return freed
 
@@ -88,9 +103,18 @@ class LeanReplay:
         return {"page_size": 1, "nodes": self.tree.num_nodes, "l1_capacity_tokens": n,
                 "l1_used_tokens": n - self.free_pages, "l1_locked_tokens": 0,
                 "l2_capacity_tokens": 0, "l2_used_tokens": 0, **counters, "inflight_ops": 0,
-                "l3": None, "policy": policy_stats(self.policy)}
+                "l3": None, "policy": policy_stats(self.policy),
+                **({} if self.hints is None else {"hints": self.hints.stats()})}
 
-    def request(self, toks: np.ndarray) -> int:
+    def set_clock(self, t: float) -> None:
+        """The facade's ``set_clock`` (the trace's timestamp of the next request)."""
+        book = self.hints
+        assert book is not None
+        book.set_clock(t, self.tree.clock)
+        book.judge_due()
+        book.expire_due(self._push)
+
+    def request(self, toks: np.ndarray, hint: CacheHint | None = None) -> int:
         """One request (match → lock → alloc → insert → unlock); returns the matched length.
         A request whose new pages do not fit even after eviction is not inserted
         (``uncacheable``)."""
@@ -108,9 +132,14 @@ class LeanReplay:
             tree.clock += 1
             lower.last_access = tree.clock
             push(lower)
+            if lower.hint_until is not None:
+                assert self.hints is not None and lower.parent is not None
+                assert lower.hint_until is not None
+                self.hints.mark([lower.parent], lower.hint_until, lower.hint_expiry)
         for node in path:                  # lock the path (no push: counts only go up)
             node.lock_ref += 1
         need = len(toks) - pos
+        last = path[-1] if path else None
         if need > 0:
             while need > self.free_pages and self._evict(need - self.free_pages):
                 pass
@@ -130,8 +159,11 @@ class LeanReplay:
                 node.last_access = tree.clock
                 parent.n_l1_children += 1
                 push(node)
+                last = node
         else:
             self.uncacheable += 1
+        if self.hints is not None:
+            apply_hint(self.hints, last, None, hint, push)
         for node in reversed(path):        # unlock, deepest first: candidates again
             node.lock_ref -= 1
             if not node.lock_ref and not node.n_l1_children:
@@ -140,14 +172,24 @@ class LeanReplay:
 
 
 def drive_lean(cache: LeanReplay, requests: Iterable[np.ndarray], clock: list[int],
-               progress: Callable[[int], None] | None = None
+               progress: Callable[[int], None] | None = None, hints: "TraceHints | None" = None
                ) -> tuple[tuple[int, int, int, int], float]:
     """:func:`~engine.sim.replay._drive` for a :class:`LeanReplay`, the same return value
-    (``clock[0]``: the request index, which ``opt``'s future index reads)."""
+    (``clock[0]``: the request index, which ``opt``'s future index reads). ``hints``: the
+    trace's client hints (each request's, and the trace's clock), sent with the requests."""
     hits = 0
     perf = time.perf_counter
     step = cache.request
     t0 = perf()
+    if hints is not None:
+        set_clock, times, hint_of = cache.set_clock, hints.times, hints.hint
+        for i, toks in enumerate(requests):
+            clock[0] = i
+            set_clock(times[i])
+            hits += step(toks, hint_of(i))
+            if progress is not None:
+                progress(i + 1)
+        return (hits, 0, 0, cache.uncacheable), perf() - t0
     for i, toks in enumerate(requests):
         clock[0] = i
         hits += step(toks)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
@@ -66,6 +67,7 @@ class ReplayInput:
             blocks = rank[inverse.reshape(-1)]
         self.bases = blocks.astype(np.uint32) * np.uint32(TRACE_BLOCK)
         self._futures: dict[int, tuple] = {}
+        self._hints: dict[str, TraceHints] = {}
         self._page_ends: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def __len__(self) -> int:
@@ -101,6 +103,12 @@ class ReplayInput:
         st = starts.tolist()
         for i in range(len(self) if limit is None else min(limit, len(self))):
             yield tok[st[i]:st[i + 1]]
+
+    def hints(self, signals: str) -> "TraceHints":
+        """The trace's client hints (:class:`TraceHints`), kept per signal choice."""
+        if signals not in self._hints:
+            self._hints[signals] = TraceHints(self.trace, signals)
+        return self._hints[signals]
 
     def future(self, page_size: int) -> tuple:
         """For each page (named by its last token): the sorted requests that hold it
@@ -154,6 +162,47 @@ class ReplayConfig:
     events: bool = True
     cp_size: int = 1            # context-parallel ranks the tier budgets are per-rank for
     cp_kv: str = "sharded"      # with cp_size > 1: sharded | replicated (docs/parallelism.md)
+    hints: str = "off"          # the trace's client hints: off | on | session-end | ttl (HINTS)
+
+
+HINTS = ("off", "on", "session-end", "ttl")
+"""What ``bench replay --hints`` sends of a trace's hints: nothing, everything it carries, or
+one signal alone (``session-end``: closes only; ``ttl``: retention hints only)."""
+
+
+class TraceHints:
+    """The client hints a trace carries, one :class:`~engine.cache.hints.CacheHint` per request
+    (``None`` for a request of no session), and the trace's clock (seconds from its first
+    timestamp) — made once per command."""
+
+    def __init__(self, trace: "Trace", signals: str = "on"):
+        from engine.cache.hints import MAX_TTL_S, CacheHint
+
+        if signals not in HINTS or signals == "off":
+            raise ValueError(f"hints must be one of {HINTS[1:]}, got {signals!r}")
+        n = len(trace)
+        ts = trace.timestamps_ms
+        self.times = ((ts - ts[0]) / 1000.0).tolist() if n else []
+        sessions = getattr(trace, "sessions", None)
+        ends = getattr(trace, "session_ends", None)
+        ttls = getattr(trace, "ttl_s", None)
+        if signals == "ttl":
+            ends = None
+        if signals == "session-end":
+            ttls = None
+        hints: list = [None] * n
+        if sessions is not None:
+            sess = sessions.tolist()
+            end = ends.tolist() if ends is not None else [False] * n
+            ttl = ttls.tolist() if ttls is not None else [math.nan] * n
+            for i in range(n):
+                if sess[i] < 0:
+                    continue
+                t = ttl[i]
+                hints[i] = CacheHint(sess[i], None if math.isnan(t) else min(t, MAX_TTL_S),
+                                     bool(end[i]))
+        self.hint = hints.__getitem__
+        self.sessions = sum(h is not None for h in hints)
 
 
 @dataclasses.dataclass
@@ -281,12 +330,16 @@ def replay(records: "ReplayInput | Trace | Iterable", cfg: ReplayConfig, *,
     if events is None:
         events = EventLog(enabled=cfg.events)
     requests = inp.page_requests(p, n_req) if page_level else inp.requests(n_req)
+    hints = None if cfg.hints == "off" else inp.hints(cfg.hints)
     if page_level and not facade and not cfg.l2_tokens and not cfg.l3_tokens:
+        from engine.cache.hints import HintBook
         from engine.cache.policy import make_policy
         from engine.sim.lean import LeanReplay, drive_lean
 
-        lean = LeanReplay(cfg.l1_tokens // p, policy or make_policy(cfg.policy))
-        (l1, l2, l3, uncacheable), elapsed = drive_lean(lean, requests, clock, progress)
+        lean = LeanReplay(cfg.l1_tokens // p, policy or make_policy(cfg.policy),
+                          hints=None if hints is None else HintBook())
+        (l1, l2, l3, uncacheable), elapsed = drive_lean(lean, requests, clock, progress,
+                                                        hints)
         cache = None
         stats = lean.stats(int(inp.page_ends(p)[1][n_req]), l1)
     else:
@@ -295,7 +348,8 @@ def replay(records: "ReplayInput | Trace | Iterable", cfg: ReplayConfig, *,
             from engine.cache.l3 import SimulatedTier
 
             cache.attach_l3(SimulatedTier(-1 if cfg.l3_tokens < 0 else cfg.l3_tokens // p))
-        (l1, l2, l3, uncacheable), elapsed = _drive(cache, requests, events, clock, progress)
+        (l1, l2, l3, uncacheable), elapsed = _drive(cache, requests, events, clock, progress,
+                                                    hints)
         stats = cache.stats()
     l1, l2, l3 = l1 * unit, l2 * unit, l3 * unit
     total = int(inp.trace.input_lengths[:n_req].sum())
@@ -313,9 +367,11 @@ def replay(records: "ReplayInput | Trace | Iterable", cfg: ReplayConfig, *,
 
 
 def _drive(cache: HiCache, requests: Iterable[np.ndarray], events: EventLog, clock: list[int],
-           progress: Callable[[int], None] | None) -> tuple[tuple[int, int, int, int], float]:
-    """The request loop: match → lock → load-back → alloc → insert → unlock → poll. Returns
-    the L1/L2/L3 hit lengths and uncacheable requests, and the seconds spent in the cache."""
+           progress: Callable[[int], None] | None, hints: TraceHints | None = None
+           ) -> tuple[tuple[int, int, int, int], float]:
+    """The request loop: match → lock → load-back → alloc → insert → (hint) → unlock → poll.
+    Returns the L1/L2/L3 hit lengths and uncacheable requests, and the seconds spent in the
+    cache. ``hints``: each request's client hint, on the trace's clock."""
     p = cache.page_size
     l1 = l2 = l3 = uncacheable = 0
     perf = time.perf_counter
@@ -325,6 +381,8 @@ def _drive(cache: HiCache, requests: Iterable[np.ndarray], events: EventLog, clo
         t0 = perf()
         clock[0] = i
         events.set_step(i)
+        if hints is not None:
+            cache.set_clock(hints.times[i])
         m = cache.match(toks, rid=i)
         receipt = cache.lock(m)
         if m.l2_len or m.l3_len:
@@ -334,10 +392,13 @@ def _drive(cache: HiCache, requests: Iterable[np.ndarray], events: EventLog, clo
         try:
             new = cache.alloc_for(m, n_full - have) if n_full > have else empty
             pages = np.concatenate([m.l1_pages, new]) if have else new
-            cache.insert(toks[:n_full * p], pages, rid=i, prefix_hashes=m.hashes,
-                         after=receipt)
+            last = cache.insert(toks[:n_full * p], pages, rid=i, prefix_hashes=m.hashes,
+                                after=receipt)
         except OutOfCapacity:
             uncacheable += 1
+            last = None
+        if hints is not None:
+            cache.hint(last or receipt._node, None, hints.hint(i), rid=i)
         cache.unlock(receipt)
         cache.poll()
         elapsed += perf() - t0

@@ -26,6 +26,36 @@ from engine.sim.replay import ReplayConfig, ReplayInput, replay
 class SweepPoint:
     policy: str
     l1_tokens: int
+    hints: str = "off"          # the trace's client hints sent (engine.sim.replay.HINTS)
+
+    @property
+    def label(self) -> str:
+        """``lru``, or ``lru+session-end`` / ``lru+ttl`` / ``lru+ttl+session-end`` with hints."""
+        return self.policy + HINT_SUFFIX[self.hints]
+
+
+HINT_SUFFIX = {"off": "", "session-end": "+session-end", "ttl": "+ttl",
+               "on": "+ttl+session-end"}
+_SUFFIX_HINTS = {v: k for k, v in HINT_SUFFIX.items() if v} | {"+hints": "on"}
+
+
+def parse_label(name: str) -> tuple[str, str]:
+    """``POLICY[+SIGNAL…]`` (a sweep's policy entry) → (policy, hints); ``ValueError``."""
+    base, plus, rest = name.partition("+")
+    if not plus:
+        return name, "off"
+    hints = _SUFFIX_HINTS.get("+" + rest)
+    if hints is None or base == "opt":
+        raise ValueError(f"{name!r}: a policy may take hints as {base}+session-end, "
+                         f"{base}+ttl or {base}+ttl+session-end (opt takes none)")
+    return base, hints
+
+
+def compare_labels(policy: str = "lru") -> list[str]:
+    """The per-signal comparison (``--hints compare``): the policy alone, ``density`` (the best
+    history-only policy), the policy with each hint signal, and ``opt``."""
+    names = [policy] + (["density"] if policy != "density" else [])
+    return names + [policy + HINT_SUFFIX[h] for h in ("session-end", "ttl", "on")] + ["opt"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +64,7 @@ class SweepRow:
     l1_tokens: int
     token_hit_rate: float
     cache_seconds: float
+    hints: str = "off"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -54,14 +85,31 @@ def default_capacities(l1_tokens: int, page_size: int) -> list[int]:
     return sorted({max(page_size, int(l1_tokens * f)) for f in (0.125, 0.25, 0.5, 1, 2, 4)})
 
 
-def sweep_points(policies: Sequence[str], capacities: Iterable[int]) -> list[SweepPoint]:
-    """The grid, in report order (policy-major). Unknown policies are a ``ValueError``."""
+def sweep_points(policies: Sequence[str], capacities: Iterable[int],
+                 hints: str = "off") -> list[SweepPoint]:
+    """The grid, in report order (policy-major). A policy entry may name hint signals
+    (:func:`parse_label`); ``hints`` is sent with every other point but ``opt``'s. Unknown
+    policies are a ``ValueError``."""
     known = policy_names(include_offline=True)
-    bad = [p for p in policies if p not in known]
+    parsed = [parse_label(p) for p in policies]
+    bad = [p for p, _ in parsed if p not in known]
     if bad:
         raise ValueError(f"unknown eviction policy {bad[0]!r}; choose from {known}")
     caps = list(capacities)
-    return [SweepPoint(p, c) for p in policies for c in caps]
+    return [SweepPoint(p, c, h if h != "off" or p == "opt" else hints)
+            for p, h in parsed for c in caps]
+
+
+def gap_closed(rows: Sequence[dict], base: str = "lru") -> dict[tuple[str, int], float]:
+    """Each row's share of the ``base`` → ``opt`` hit-rate gap at its capacity, where the sweep
+    has both (``(label, l1_tokens)`` → share; 0 = base, 1 = opt)."""
+    by = {(r["policy"], r["l1_tokens"]): r["token_hit_rate"] for r in rows}
+    out = {}
+    for r in rows:
+        lo, hi = by.get((base, r["l1_tokens"])), by.get(("opt", r["l1_tokens"]))
+        if lo is not None and hi is not None and hi > lo:
+            out[(r["policy"], r["l1_tokens"])] = (r["token_hit_rate"] - lo) / (hi - lo)
+    return out
 
 
 def default_jobs() -> int:
@@ -84,7 +132,8 @@ def _init_worker(inp: ReplayInput | None, page_size: int, limit: int | None) -> 
 
 def _run_point(point: SweepPoint) -> SweepRow:
     cfg = ReplayConfig(page_size=_SHARED["page_size"], l1_tokens=point.l1_tokens, l2_tokens=0,
-                       policy=point.policy, limit=_SHARED["limit"], events=False)
+                       policy=point.policy, limit=_SHARED["limit"], events=False,
+                       hints=point.hints)
     # The lean replay makes no reference cycles (a node leaves the tree unlinked), so the
     # cycle collector would only re-scan the live tree, again and again: off for the point.
     enabled = gc.isenabled()
@@ -94,8 +143,8 @@ def _run_point(point: SweepPoint) -> SweepRow:
     finally:
         if enabled:
             gc.enable()
-    return SweepRow(point.policy, point.l1_tokens, round(res.token_hit_rate, 6),
-                    round(res.cache_seconds, 4))
+    return SweepRow(point.label, point.l1_tokens, round(res.token_hit_rate, 6),
+                    round(res.cache_seconds, 4), point.hints)
 
 
 def _cost_order(points: Sequence[SweepPoint]) -> list[int]:
@@ -114,6 +163,8 @@ def run_sweep(inp: ReplayInput, points: Sequence[SweepPoint], page_size: int, *,
     inp.page_ends(page_size)               # built once here, inherited by the workers
     if any(p.policy == "opt" for p in points):
         inp.future(page_size)
+    for h in {p.hints for p in points} - {"off"}:
+        inp.hints(h)                       # made once here, inherited by the workers
     order = _cost_order(points)
     rows: list[SweepRow | None] = [None] * len(points)
     if jobs <= 1:

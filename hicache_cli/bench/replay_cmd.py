@@ -6,6 +6,7 @@ sweep, replay_ranks) and the output is :mod:`hicache_cli.bench.replay_render`'s.
 
 from __future__ import annotations
 
+import enum
 import os
 from pathlib import Path
 from typing import Annotated, Optional
@@ -85,6 +86,20 @@ Cp = Annotated[int, typer.Option("--cp", min=1, help="Context-parallel ranks of 
 CpKv = Annotated[str, typer.Option("--cp-kv", help="With --cp N: 'sharded' (each KV page on "
                                    "one owner rank) or 'replicated' (device KV on every rank, "
                                    "host pool deduplicated across ranks).")]
+class HintsMode(str, enum.Enum):
+    off = "off"
+    on = "on"
+    session_end = "session-end"
+    ttl = "ttl"
+    compare = "compare"
+
+
+Hints = Annotated[HintsMode, typer.Option(
+    "--hints", help="Send the trace's client hints (session_id, session_end, ttl_s: see "
+                    "`convert-trace --annotate-sessions`) with its requests: 'on' (all it "
+                    "carries, over --policy), one signal ('session-end', 'ttl'), or 'compare' "
+                    "(with --sweep: --policy, density, each signal and opt, with the share of "
+                    "the LRU-to-opt gap each closes).")]
 NoEvents = Annotated[bool, typer.Option("--no-events", help="Do not record cache decision "
                                                             "events (to measure their "
                                                             "overhead).")]
@@ -101,6 +116,7 @@ def replay_cmd(
     enable_rank_consensus: Consensus = False, consensus_every: ConsensusEvery = 16,
     nnodes: NNodes = 1, node_rank: NodeRank = 0, dist_init_addr: DistInitAddr = None,
     cp: Cp = 1, cp_kv: CpKv = "sharded", no_events: NoEvents = False,
+    hints: Hints = HintsMode.off,
     fmt: Format = OutputFormat.human, progress: Progress = False,
     replicas: fleet_cmd.Replicas = 1, router: fleet_cmd.Router = None,
     cache_threshold: fleet_cmd.CacheThreshold = 0.3,
@@ -119,13 +135,15 @@ def replay_cmd(
     _check_tiers(page_size, l1_tokens, l2_tokens, l3_tokens, cp, cp_kv, sweep)
     _check_modes(sweep, multi, plot, policies, jobs, ranks, cp, rank, world_size)
     _check_outputs(plot, dump_tree, rank_log_dir, multi)
+    _check_hints(hints, sweep, multi or replicas > 1 or router is not None, policies)
     if inject_divergence:
         with usage("--inject-divergence"):
             parse_spec(inject_divergence)
     cfg = ReplayConfig(page_size=page_size, l1_tokens=l1_tokens, l2_tokens=l2_tokens,
                        l3_tokens=l3_tokens, policy=policy.value,
                        write_policy=write_policy.value, limit=limit,
-                       events=not no_events, cp_size=cp, cp_kv=cp_kv)
+                       events=not no_events, cp_size=cp, cp_kv=cp_kv,
+                       hints="off" if hints is HintsMode.compare else hints.value)
     show = fmt is OutputFormat.human or progress
     if replicas > 1 or router is not None:     # a fleet: engine.sim.fleet
         if multi or rank_log_dir or dump_tree or inject_divergence or capacities or policies \
@@ -141,7 +159,8 @@ def replay_cmd(
         _multi_rank(trace, ranks, cfg, rank_log_dir, consensus_every if enable_rank_consensus
                     else 0, inject_divergence, fmt, dump_tree, nodes)
     elif sweep:
-        _sweep(trace, cfg, capacities, policies, jobs, plot, fmt, show)
+        _sweep(trace, cfg, capacities, policies, jobs, plot, fmt, show,
+               hints is HintsMode.compare)
     else:
         _single(trace, cfg, rank, world_size, rank_log_dir, dump_tree, inject_divergence,
                 fmt, show)
@@ -188,6 +207,26 @@ def _check_modes(sweep: bool, multi: bool, plot: Optional[Path], policies: Optio
     if rank >= world_size:
         raise UsageError(f"--rank must be in [0, --world-size), got rank {rank} of "
                          f"{world_size}")
+
+
+def _check_hints(hints: HintsMode, sweep: bool, multi: bool, policies: Optional[str]) -> None:
+    if hints is HintsMode.off:
+        return
+    if multi:
+        raise UsageError("--hints does not combine with --ranks, --replicas or --router")
+    if hints is HintsMode.compare and not sweep:
+        raise UsageError("--hints compare needs --sweep")
+    if hints is HintsMode.compare and policies is not None:
+        raise UsageError("--hints compare chooses the policies itself (drop --policies)")
+
+
+def _need_hints(inp, trace: Path, signals: set[str]) -> None:
+    """A hinted run over a trace that carries no session keys would be the plain policy."""
+    for s in signals - {"off"}:
+        if not inp.hints(s).sessions:
+            fail(f"{trace}: no request carries a session key (session_id), so there are no "
+                 f"hints to send; add oracle ones with `hicache bench convert-trace "
+                 f"--annotate-sessions`")
 
 
 def _check_nodes(ranks: int, nnodes: int, node_rank: int, addr: Optional[str]) -> tuple:
@@ -237,6 +276,7 @@ def _single(trace: Path, cfg, rank: int, world_size: int, rank_log_dir: Optional
     from engine.sim.replay_run import ReplayRun, run_replay
 
     inp = _load(trace, cfg.limit)
+    _need_hints(inp, trace, {cfg.hints})
     run = ReplayRun(str(trace), cfg, rank, world_size,
                     str(rank_log_dir) if rank_log_dir else None,
                     str(dump_tree) if dump_tree else None, inject)
@@ -252,8 +292,16 @@ def _single(trace: Path, cfg, rank: int, world_size: int, rank_log_dir: Optional
 
 
 def _sweep(trace: Path, cfg, capacities: Optional[str], policies: Optional[str],
-           jobs: Optional[int], plot: Optional[Path], fmt: OutputFormat, show: bool) -> None:
-    from engine.sim.sweep import default_capacities, default_policies, run_sweep, sweep_points
+           jobs: Optional[int], plot: Optional[Path], fmt: OutputFormat, show: bool,
+           compare: bool = False) -> None:
+    from engine.sim.sweep import (
+        compare_labels,
+        default_capacities,
+        default_policies,
+        gap_closed,
+        run_sweep,
+        sweep_points,
+    )
 
     p = cfg.page_size
     caps = (token_counts("--capacities", capacities) if capacities
@@ -261,21 +309,29 @@ def _sweep(trace: Path, cfg, capacities: Optional[str], policies: Optional[str],
     small = [c for c in caps if c < p]
     if small:
         raise UsageError(f"--capacities: {small[0]} tokens hold no page of {p} tokens")
-    points = sweep_points(policy_list("--policies", policies) if policies is not None
-                          else default_policies(), caps)
+    names = (compare_labels(cfg.policy) if compare else policy_list("--policies", policies)
+             if policies is not None else default_policies())
+    with usage("--policies"):
+        points = sweep_points(names, caps, cfg.hints)
     inp = _load(trace, cfg.limit)
+    _need_hints(inp, trace, {pt.hints for pt in points})
     try:
         with render.point_bar(len(points), show) as done:
             rows = [r.to_dict() for r in run_sweep(inp, points, p, jobs=jobs, on_point=done)]
     except MemoryError:
         fail(_memory(cfg, caps))
+    base = cfg.policy if cfg.policy != "opt" else "lru"
+    for (label, cap), share in gap_closed(rows, base).items():
+        for r in rows:
+            if r["policy"] == label and r["l1_tokens"] == cap:
+                r["gap_closed"] = round(share, 4)
     if plot is not None:
         render.plot(rows, plot, os.path.basename(str(trace)), p)
     if fmt is OutputFormat.json:
         emit_json({"trace": str(trace), "requests": len(inp), "page_size": p, "sweep": rows,
                    "plot": str(plot) if plot else None})
     else:
-        render.print_sweep(rows)
+        render.print_sweep(rows, base)
         if plot is not None:
             stdout.print(f"plot written to {plot}")
 

@@ -42,18 +42,29 @@ def print_result(d: dict) -> None:
     stdout.print(t)
 
 
-def print_sweep(rows: list[dict]) -> None:
+def print_sweep(rows: list[dict], base: str = "lru") -> None:
+    """Hit rate per (policy, capacity); with the base policy and ``opt`` in the sweep, each
+    other cell also shows the share of the gap between them it closes."""
     from rich.table import Table
 
     caps = sorted({r["l1_tokens"] for r in rows})
     pols = list(dict.fromkeys(r["policy"] for r in rows))
-    t = Table(title="token hit rate vs L1 capacity", title_justify="left")
+    shares = any("gap_closed" in r for r in rows if r["policy"] not in (base, "opt"))
+    t = Table(title="token hit rate vs L1 capacity" + (
+        f" (share of the {base}→opt gap closed)" if shares else ""), title_justify="left")
     t.add_column("L1 tokens", justify="right")
     for pol in pols:
         t.add_column(pol, justify="right")
-    by = {(r["policy"], r["l1_tokens"]): r["token_hit_rate"] for r in rows}
+    by = {(r["policy"], r["l1_tokens"]): r for r in rows}
+
+    def cell(pol: str, cap: int) -> str:
+        r = by[(pol, cap)]
+        g = r.get("gap_closed")
+        return f"{r['token_hit_rate']:.4f}" + (
+            f" ({g:.0%})" if g is not None and pol not in (base, "opt") else "")
+
     for cap in caps:
-        t.add_row(f"{cap:,}", *[f"{by[(p, cap)]:.4f}" for p in pols])
+        t.add_row(f"{cap:,}", *[cell(p, cap) for p in pols])
     stdout.print(t)
 
 

@@ -1,0 +1,369 @@
+"""Client cache hints: soft retention hints that order eviction (docs/eviction.md, "Hints").
+
+A client knows what no history-only policy can: that a session is over, or that its next turn
+comes in about ``T`` seconds. A :class:`CacheHint` carries that with a request; the cache turns
+it into a *predicted next use* of the blocks the request's session owns alone, and compares it
+with what recency predicts for every unhinted block:
+
+* an unhinted candidate last used ``a`` seconds ago is expected back in about ``a`` seconds (the
+  age estimate, so among unhinted blocks the chosen policy's order stands);
+* a block whose session declared its next turn within ``T`` is expected at ``t + T`` — and kept
+  while that is sooner than the oldest unhinted block's estimate; past ``t + grace·T`` the
+  declaration has expired and the block is an ordinary one again;
+* a closed session's private blocks are never expected again: they go first.
+
+The eviction then takes whichever candidate is predicted to be needed last (Belady's rule on
+the predictions). A hint is soft: it orders eviction in every tier and never holds KV beyond
+capacity (when only hinted blocks remain they go, latest predicted first).
+
+Hints are per namespace and per session: a block two sessions touched is *shared* and never
+hinted, so a session's hints only move its own private KV; a namespace's hints only ever touch
+its own tree (namespaces never share a node). Hints are also *checked*: each declaration is
+compared with what the session did next (its next request within ``[T/band, T·band]``; no request
+after a close), and a namespace's hints are applied only while enough of them proved right
+(:class:`HintBook`): wrong, stale or adversarial hints fall back to the plain policy instead of
+evicting what the clients will reuse.
+
+Everything here is deterministic in the operations and the hint clock (``set_clock``), which
+every rank of a group receives alike, so ranks take the same hint decisions.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import heapq
+import math
+from typing import Any, Callable
+
+INF = math.inf
+SHARED = -1                        # ``Node.session`` of a block two sessions touched
+MAX_TTL_S = 30 * 86400.0           # the longest retention a client may declare
+MAX_SESSION_KEY_CHARS = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheHint:
+    """What a client says of one request: its session (a key within the request's namespace),
+    the expected seconds until the session's next request (``ttl_s``), or that this request is
+    the session's last (``close``)."""
+
+    session: str | int | None = None
+    ttl_s: float | None = None
+    close: bool = False
+
+    def __post_init__(self) -> None:
+        s = self.session
+        if s is not None and not (
+                (isinstance(s, str) and 0 < len(s) <= MAX_SESSION_KEY_CHARS)
+                or (type(s) is int and 0 <= s < 1 << 63)):
+            raise ValueError(f"a session key must be a string of 1..{MAX_SESSION_KEY_CHARS} "
+                             f"characters or an integer in [0, 2**63), got {s!r:.80}")
+        t = self.ttl_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
+                              or not 0 <= t <= MAX_TTL_S):
+            raise ValueError(f"a retention hint must be a number of seconds in "
+                             f"[0, {MAX_TTL_S:g}], got {t!r:.40}")
+        if not isinstance(self.close, bool):
+            raise ValueError("close must be true or false")
+
+    @property
+    def empty(self) -> bool:
+        return self.session is None and self.ttl_s is None and not self.close
+
+    def to_wire(self) -> list:
+        return [self.session, None if self.ttl_s is None else float(self.ttl_s), self.close]
+
+    @classmethod
+    def from_wire(cls, w: Any) -> "CacheHint | None":
+        """The hint a rank link carried (``None`` stays ``None``); ``ValueError`` when malformed."""
+        if w is None:
+            return None
+        if not isinstance(w, list) or len(w) != 3:
+            raise ValueError(f"malformed cache hint on the rank link: {str(w)[:80]}")
+        return cls(w[0], w[1], w[2])
+
+
+class _Session:
+    __slots__ = ("sid", "namespace", "key", "last", "claim_at", "claim_ttl", "closed")
+
+    def __init__(self, sid: int, namespace: Any, key: Any):
+        self.sid, self.namespace, self.key = sid, namespace, key
+        self.last: Any = None              # the deepest node of the session's last request
+        self.claim_at = -1.0               # when the pending ttl claim was made (-1: none)
+        self.claim_ttl = 0.0
+        self.closed = False
+
+
+class _Trust:
+    """What a namespace's hints proved: declarations that came true and that did not."""
+
+    __slots__ = ("good", "bad", "on")
+
+    def __init__(self) -> None:
+        self.good = self.bad = 0.0
+        self.on = False
+
+
+class HintBook:
+    """The hint state of one cache: its clock, its sessions (bounded), the namespaces' trust and
+    the expiry order of hinted blocks.
+
+    ``grace``: a ttl declaration holds until ``t + grace·ttl``; ``band``: a declaration came
+    true when the session's next request arrived within ``[ttl/band, ttl·band]``;
+    ``min_evidence`` declarations must have been judged, and at most ``1 - trust`` of them
+    wrong, before a namespace's hints are applied (counts halve past ``window``).
+    """
+
+    def __init__(self, *, max_sessions: int = 65536, grace: float = 2.0, band: float = 4.0,
+                 min_evidence: int = 8, trust: float = 0.75, window: int = 512):
+        if max_sessions < 1 or grace < 1 or band < 1 or not 0 <= trust <= 1:
+            raise ValueError("hint book: max_sessions >= 1, grace >= 1, band >= 1 and "
+                             "0 <= trust <= 1")
+        self.max_sessions, self.grace, self.band = max_sessions, grace, band
+        self.min_evidence, self.trust_level, self.window = min_evidence, trust, window
+        self.now = 0.0
+        self._ticks: list[int] = []        # tree clock at each set_clock ...
+        self._times: list[float] = []      # ... and the time set then
+        self._sessions: collections.OrderedDict[tuple, _Session] = collections.OrderedDict()
+        self._by_sid: dict[int, _Session] = {}
+        self._next_sid = 0
+        self._trust: dict[Any, _Trust] = {}
+        self._expiry: list = []            # (expiry time, seq, nodes marked): ttl declarations
+        self._claims: list = []            # (deadline, seq, sid, claim_at): ttl claims to judge
+        self._seq = 0
+        self.counters: collections.Counter = collections.Counter()
+        # called with a namespace whose hints stop being trusted (the cache clears its marks)
+        self.on_distrust: Callable[[Any], None] = lambda namespace: None
+
+    # -- the clock ------------------------------------------------------------------------
+    def set_clock(self, t: float, tick: int) -> None:
+        """The hint clock is ``t`` seconds after the tree's logical clock ``tick`` (never goes
+        back). Samples are kept (thinned when many) to date a node's last touch."""
+        if not math.isfinite(t):
+            raise ValueError(f"the hint clock must be finite, got {t!r}")
+        t = max(t, self.now)
+        self.now = t
+        tick += 1                          # the touches from now on: ticks after ``tick``
+        if self._ticks and self._ticks[-1] == tick:
+            self._times[-1] = t
+        else:
+            self._ticks.append(tick)
+            self._times.append(t)
+            if len(self._ticks) > 8192:     # thin the older half: ages stay roughly right
+                half = len(self._ticks) // 2
+                self._ticks[:half] = self._ticks[:half:2]
+                self._times[:half] = self._times[:half:2]
+
+    def time_of(self, tick: int) -> float:
+        """When the tree's logical clock read ``tick`` (the latest sample at or before it)."""
+        i = bisect.bisect_right(self._ticks, tick) - 1
+        return self._times[i] if i >= 0 else (self._times[0] if self._times else 0.0)
+
+    # -- sessions ---------------------------------------------------------------------------
+    def session(self, namespace: Any, key: Any) -> _Session:
+        k = (namespace, key)
+        s = self._sessions.get(k)
+        if s is not None:
+            return s
+        s = _Session(self._next_sid, namespace, key)
+        self._next_sid += 1
+        self._sessions[k] = s
+        self._by_sid[s.sid] = s
+        while len(self._sessions) > self.max_sessions:   # the oldest session's state goes
+            _, old = self._sessions.popitem(last=False)
+            del self._by_sid[old.sid]
+            self.counters["sessions_dropped"] += 1
+        return s
+
+    def find(self, namespace: Any, key: Any) -> _Session | None:
+        return self._sessions.get((namespace, key))
+
+    def on_remove(self, node: Any) -> None:
+        """A node left the tree: a session whose last request ended there now ends at its
+        parent (so a later close still finds the session's remaining blocks)."""
+        s = self._by_sid.get(node.session)
+        if s is not None and s.last is node:
+            parent = node.parent
+            s.last = parent if parent is not None and parent.parent is not None else None
+
+    # -- trust ----------------------------------------------------------------------------
+    def _judge(self, namespace: Any, good: float, bad: float) -> None:
+        tr = self._trust.get(namespace)
+        if tr is None:
+            tr = self._trust[namespace] = _Trust()
+        tr.good += good
+        tr.bad += bad
+        if tr.good + tr.bad > self.window:
+            tr.good /= 2
+            tr.bad /= 2
+        self.counters["hints_right"] += good > 0
+        self.counters["hints_wrong"] += bad > 0
+        was = tr.on
+        tr.on = (tr.good + tr.bad >= self.min_evidence
+                 and tr.bad <= (1 - self.trust_level) * (tr.good + tr.bad) + 1e-9)
+        if was and not tr.on:
+            self.counters["distrusted"] += 1
+            self.on_distrust(namespace)
+
+    def trusted(self, namespace: Any) -> bool:
+        tr = self._trust.get(namespace)
+        return tr.on if tr is not None else self.min_evidence == 0
+
+    def observe(self, s: _Session) -> None:
+        """A request of session ``s`` arrived now: judge what the session declared before."""
+        if s.closed:                       # it said it was over: wrong
+            self._judge(s.namespace, -1.0, 1.0)
+            s.closed = False
+        if s.claim_at >= 0:
+            gap, ttl = self.now - s.claim_at, s.claim_ttl
+            ok = ttl / self.band <= gap <= ttl * self.band
+            self._judge(s.namespace, float(ok), float(not ok))
+            s.claim_at = -1.0
+
+    def claim(self, s: _Session, ttl: float | None, close: bool) -> None:
+        """Record what ``s`` declares now, to be judged by what it does next."""
+        if close:
+            s.closed = True
+            s.claim_at = -1.0
+            self._judge(s.namespace, 1.0, 0.0)      # taken back if the session returns
+        elif ttl is not None:
+            s.claim_at, s.claim_ttl = self.now, float(ttl)
+            self._seq += 1
+            heapq.heappush(self._claims, (self.now + ttl * self.band, self._seq, s.sid,
+                                          self.now))
+
+    def judge_due(self) -> None:
+        """Declarations whose window passed with no request from their session: wrong."""
+        claims, now = self._claims, self.now
+        while claims and claims[0][0] < now:
+            _, _, sid, at = heapq.heappop(claims)
+            s = self._by_sid.get(sid)
+            if s is not None and s.claim_at == at:
+                s.claim_at = -1.0
+                self._judge(s.namespace, 0.0, 1.0)
+
+    # -- hinted nodes ------------------------------------------------------------------------
+    def mark(self, nodes: list, until: float, expiry: float) -> None:
+        """Give ``nodes`` one declaration (until ``until``, expiring at ``expiry``)."""
+        for node in nodes:
+            node.hint_until, node.hint_expiry = until, expiry
+        if expiry < INF:
+            self._seq += 1
+            heapq.heappush(self._expiry, (expiry, self._seq, nodes))
+
+    def expire_due(self, push: Callable[[Any], None]) -> None:
+        """Declarations that expired: the nodes they marked (unless a later declaration
+        re-marked them) become ordinary candidates again."""
+        exp, now = self._expiry, self.now
+        while exp and exp[0][0] <= now:
+            t, _, nodes = heapq.heappop(exp)
+            for node in nodes:
+                if node.hint_expiry == t and node.hint_until is not None:
+                    node.hint_until = None
+                    node.hint_expiry = INF
+                    self.counters["hints_expired"] += 1
+                    if node.parent is not None:
+                        push(node)
+
+    def stats(self) -> dict[str, Any]:
+        c = self.counters
+        return {"sessions": len(self._sessions),
+                "trusted_namespaces": sum(t.on for t in self._trust.values()),
+                "namespaces_judged": len(self._trust),
+                "hint_evictions": c["hint_evictions"], "closed_evictions": c["closed_evictions"],
+                "kept_by_hint": c["kept_by_hint"], "hints_applied": c["hints_applied"],
+                "hints_ignored": c["hints_ignored"], "hints_right": c["hints_right"],
+                "hints_wrong": c["hints_wrong"], "hints_expired": c["hints_expired"],
+                "sessions_closed": c["sessions_closed"], "sessions_dropped": c["sessions_dropped"],
+                "l3_writebacks_skipped": c["l3_writebacks_skipped"]}
+
+
+def hint_key(node: Any) -> tuple:
+    """A hinted candidate's heap key: the latest predicted next use first."""
+    return (-node.hint_until, node.last_access)
+
+
+def apply_hint(book: HintBook, last: Any, namespace: Any, hint: CacheHint | None,
+               push: Callable[[Any], None]) -> tuple[int, bool]:
+    """After a request of ``hint.session`` that ended at node ``last``: the nodes of its path
+    become the session's (or shared, when another session holds them), its declaration is
+    judged and recorded, and — when the namespace's hints are trusted — its private nodes get
+    the predicted next use. Returns the nodes hinted and whether the hint was applied."""
+    if hint is None or hint.session is None:
+        node = last                        # a request of no session: its path is shared
+        while node is not None and node.parent is not None and node.session != SHARED:
+            node.session = SHARED
+            if node.hint_until is not None:
+                node.hint_until, node.hint_expiry = None, INF
+                push(node)
+            node = node.parent
+        return 0, False
+    s = book.session(namespace, hint.session)
+    book.observe(s)
+    book.claim(s, hint.ttl_s, hint.close)
+    on = book.trusted(namespace)
+    until: float | None = None
+    expiry = INF
+    if hint.close:
+        until = INF
+    elif hint.ttl_s is not None:
+        until, expiry = book.now + hint.ttl_s, book.now + book.grace * hint.ttl_s
+    if last is not None and last.parent is not None:
+        s.last = last
+    sid = s.sid
+    hinting = on and until is not None
+    marked: list = []
+    node = last
+    while node is not None and node.parent is not None:
+        owner = node.session
+        if owner == SHARED:
+            break                          # its ancestors are shared too
+        if owner is None:
+            node.session = owner = sid
+        elif owner != sid:
+            node.session = SHARED
+            if node.hint_until is not None:
+                node.hint_until, node.hint_expiry = None, INF
+                push(node)
+            node = node.parent
+            continue
+        if hinting:
+            marked.append(node)
+        elif node.hint_until is not None:  # a declaration without a retention: unhinted
+            node.hint_until, node.hint_expiry = None, INF
+            push(node)
+        node = node.parent
+    if marked:
+        assert until is not None
+        book.mark(marked, until, expiry)
+        for node in marked:
+            push(node)
+    n = len(marked)
+    book.counters["hints_applied" if on and until is not None else "hints_ignored"] += 1
+    if hint.close:
+        book.counters["sessions_closed"] += 1
+    return n, on
+
+
+def close_session(book: HintBook, namespace: Any, key: Any,
+                  push: Callable[[Any], None]) -> int:
+    """A session is over (without a request): its private nodes go first. Returns the nodes
+    marked (0 for an unknown session, or one whose namespace's hints are not trusted)."""
+    s = book.find(namespace, key)
+    if s is None:
+        return 0
+    book.claim(s, None, True)
+    book.counters["sessions_closed"] += 1
+    if not book.trusted(namespace):
+        return 0
+    marked: list = []
+    node = s.last
+    while node is not None and node.parent is not None and node.session == s.sid:
+        marked.append(node)
+        node = node.parent
+    book.mark(marked, INF, INF)
+    for node in marked:
+        push(node)
+    return len(marked)
