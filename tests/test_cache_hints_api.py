@@ -18,6 +18,7 @@ import requests
 from typer.testing import CliRunner
 
 from engine.cache.hints import CacheHint
+from engine.cache.types import as_tokens
 from engine.core.errors import InputError
 from engine.runtime.model import preset
 from engine.runtime.model_id import model_tokenizer
@@ -264,7 +265,7 @@ def _held(h, ids) -> tuple[int, set]:
     without touching them (no recency update)."""
     def look():
         tree = h.engine.cache.tree
-        path, n = tree.walk(np.asarray(ids, dtype=np.int64), None, split=False)
+        path, n = tree.walk(as_tokens(ids), None, split=False)
         return n, {node.id for node in path}
     return _on_sched(h, look)
 
@@ -282,15 +283,23 @@ def _idle(h):
 
 def _compete(hints: bool) -> dict:
     """Sessions A and B each send a 96-token prefix (B after A: under LRU, A is older); A's
-    client asks for a TTL, B's closes its session. Unhinted traffic then presses on L1+L2 until
-    one of the two prefixes has left the tree."""
+    client declares its next turn within 3 s (it comes sooner), B's closes its session.
+    Unhinted traffic then presses on L1+L2 until one of the two prefixes has left the tree. The cache applies a
+    namespace's hints once enough of them proved right: eight earlier sessions, each closed
+    after one request, earn that trust first (hint-less: the same requests, no hints)."""
     rng = np.random.default_rng(7)
     pa, pb = rng.integers(0, 256, 96).tolist(), rng.integers(0, 256, 96).tolist()
     sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
-    h = _server(l1_tokens=128, l2_tokens=256, page_size=16)
+    h = _server(l1_tokens=128, l2_tokens=384, page_size=16)
     try:
+        for i in range(8):
+            w = {"session_id": f"w{i}"} if hints else {}
+            assert _post(h, "/generate", {"input_ids": rng.integers(0, 256, 20).tolist(),
+                                          "sampling_params": sp, **w}).ok
+            if hints:
+                assert _post(h, "/close_session", {"session_id": f"w{i}"}).status_code == 200
         a = {"session_id": "A", "nvext": {"cache_control": {"type": "ephemeral",
-                                                            "ttl": "1h"}}} if hints else {}
+                                                            "ttl": "3s"}}} if hints else {}
         b = {"session_id": "B"} if hints else {}
         assert _post(h, "/generate", {"input_ids": pa, "sampling_params": sp, **a}).ok
         assert _post(h, "/generate", {"input_ids": pb, "sampling_params": sp, **b}).ok
@@ -298,7 +307,7 @@ def _compete(hints: bool) -> dict:
             assert _post(h, "/close_session", {"session_id": "B"}).status_code == 200
         _idle(h)
         (na, ida), (nb, idb) = _held(h, pa), _held(h, pb)
-        assert na == nb == 96
+        assert na == nb == 96, (na, nb, hints)
         gone_first = None
         for _ in range(60):
             p = rng.integers(0, 256, 48).tolist()
@@ -313,9 +322,11 @@ def _compete(hints: bool) -> dict:
         turn2 = _post(h, "/generate", {"input_ids": pa + [5, 6, 7], "sampling_params": sp,
                                        **a}).json()
         stats = _on_sched(h, h.engine.cache.hint_stats)
+        metrics = requests.get(h.url + "/metrics", timeout=10).text
         return {"gone_first": gone_first, "a_nodes_alive": ida <= alive,
                 "b_nodes_alive": bool(idb & alive), "held": (held_a, held_b),
-                "a_turn2_cached": turn2["meta_info"]["cached_tokens"], "hint_stats": stats}
+                "a_turn2_cached": turn2["meta_info"]["cached_tokens"], "hint_stats": stats,
+                "metrics": metrics}
     finally:
         h.stop()
 
@@ -328,30 +339,55 @@ def test_the_session_with_a_ttl_keeps_its_prefix_and_the_closed_one_goes_first()
     assert got["held"][0] == 96 and got["a_nodes_alive"] and not got["b_nodes_alive"], got
     assert got["a_turn2_cached"] >= 96, got          # A's next turn hits its whole prefix
     assert without["a_turn2_cached"] < 96, without
+    st = got["hint_stats"]
+    assert st["trusted_namespaces"] == 1 and st["sessions_closed"] >= 9, st
+    assert st["closed_evictions"] > 0, st
+    assert f"hicache_hint_closed_evictions_total {st['closed_evictions']}" in got["metrics"]
 
 
-def test_tp_ranks_agree_on_hint_decisions(tmp_path):
+@pytest.mark.parametrize("shape", [("--tp", "2"), ("--pp", "2")], ids=["tp2", "pp2"])
+def test_ranks_agree_on_hint_decisions(tmp_path, shape):
+    """Hints that are applied (the namespace earned trust), TTLs on rank 0's clock, closes by
+    request and by endpoint, evictions they order: every rank's log records the same."""
     from hicache_cli.app import app
-    from tests.serve_client import SCRIPT, spawn
+    from tests.serve_client import spawn
 
-    proc, url = spawn("--tp", "2", "--rank-log-dir", str(tmp_path))
+    proc, url = spawn(*shape, "--rank-log-dir", str(tmp_path), base=[
+        "--l1-tokens", "128", "--l2-tokens", "384", "--page-size", "16", "--format", "json"])
+    rng = np.random.default_rng(3)
+    sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+    def gen(ids, **hint):
+        r = requests.post(url + "/generate", timeout=120,
+                          json={"input_ids": ids, "sampling_params": sp, **hint})
+        assert r.status_code == 200, r.text
+        return r.json()
+
     try:
-        sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
-        for i, ids in enumerate(SCRIPT):
-            hint = {"session_id": f"s{i % 3}",
-                    "nvext": {"cache_control": {"type": "ephemeral", "ttl": f"{i + 1}m"}}}
-            r = requests.post(url + "/generate", timeout=120,
-                              json={"input_ids": ids, "sampling_params": sp, **hint})
-            assert r.status_code == 200, r.text
-            if i == 4:
-                assert requests.post(url + "/close_session", timeout=30,
-                                     json={"session_id": "s1"}).status_code == 200
+        for i in range(8):
+            gen(rng.integers(0, 256, 20).tolist(), session_id=f"w{i}")
+            assert requests.post(url + "/close_session", timeout=30,
+                                 json={"session_id": f"w{i}"}).status_code == 200
+        prefixes = [rng.integers(0, 256, 64).tolist() for _ in range(3)]
+        for turn in range(3):                        # a turn a second, as each declares
+            time.sleep(1.0 if turn else 0)
+            for k, p in enumerate(prefixes):
+                nv = {"cache_control": {"type": "ephemeral", "ttl": "1s"}}
+                if turn == 2 and k == 1:
+                    nv["session_control"] = {"session_id": f"s{k}", "action": "close"}
+                gen(p + rng.integers(0, 256, 8 * turn + 3).tolist(), session_id=f"s{k}",
+                    nvext=nv)
+        for _ in range(6):                           # unhinted pressure on L1 + L2
+            gen(rng.integers(0, 256, 48).tolist())
         info = requests.get(url + "/server_info", timeout=10).json()
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=90)
         assert proc.returncode == 0, err
-    assert info["cache_hints"]["sessions"]["closed_total"] == 1
+    hints = info["cache_hints"]
+    assert hints["trusted_namespaces"] == 1 and hints["hints_applied"] > 0, hints
+    assert hints["closed_evictions"] > 0, hints
+    assert hints["sessions"]["closed_total"] == 9, hints
     res = CliRunner().invoke(app, ["consensus-check", str(tmp_path), "--format", "json"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["consistent"] is True

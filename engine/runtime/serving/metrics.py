@@ -167,17 +167,25 @@ SESSION_HELP = {
 }
 
 
+HINT_GAUGES = frozenset({"sessions", "trusted_namespaces", "namespaces_judged"})
+"""``hint_stats()`` keys that are levels; every other key counts events (``…_total``)."""
+
+
 def render_hints(hint_stats: dict[str, Any], session_stats: dict[str, Any]) -> str:
-    """Client cache hints: the cache's counters (``hicache_hint_*``: ``HiCache.hint_stats()``;
-    a key ending in ``_total`` is a counter, any other a gauge) and the session registry's
-    (``hicache_sessions_*``)."""
+    """Client cache hints: the cache's figures (``HiCache.hint_stats()`` as
+    ``hicache_hint_<key>``: a gauge for :data:`HINT_GAUGES`, else a counter ``…_total``) and
+    the session registry's (``hicache_sessions*``)."""
     w = _Writer()
     for key, v in sorted(hint_stats.items()):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             continue
-        kind = "counter" if key.endswith("_total") else "gauge"
-        name = key if key.startswith("hint_") else f"hint_{key}"
-        w.scalar(name, kind, f"Cache hints: {key.replace('_', ' ')} (the cache's count).", v)
+        base = key[len("hint_"):] if key.startswith("hint_") else key
+        if key in HINT_GAUGES:
+            w.scalar(f"hint_{base}", "gauge", f"Cache hints: {key.replace('_', ' ')}.", v)
+        else:
+            name = base if base.endswith("_total") else f"{base}_total"
+            w.scalar(f"hint_{name}", "counter",
+                     f"Cache hints: {key.replace('_', ' ')} (events).", v)
     for key, v in sorted(session_stats.items()):
         kind, help_ = SESSION_HELP.get(key, ("counter" if key.endswith("_total") else "gauge",
                                              f"Session registry: {key.replace('_', ' ')}."))
