@@ -345,7 +345,8 @@ def test_the_session_with_a_ttl_keeps_its_prefix_and_the_closed_one_goes_first()
     assert f"hicache_hint_closed_evictions_total {st['closed_evictions']}" in got["metrics"]
 
 
-@pytest.mark.parametrize("shape", [("--tp", "2"), ("--pp", "2")], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("shape", [("--tp", "2"), ("--pp", "2"), ("--cp", "2")],
+                         ids=["tp2", "pp2", "cp2"])
 def test_ranks_agree_on_hint_decisions(tmp_path, shape):
     """Hints that are applied (the namespace earned trust), TTLs on rank 0's clock, closes by
     request and by endpoint, evictions they order: every rank's log records the same."""
