@@ -392,3 +392,15 @@ def test_ranks_agree_on_hint_decisions(tmp_path, shape):
     res = CliRunner().invoke(app, ["consensus-check", str(tmp_path), "--format", "json"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["consistent"] is True
+
+
+def test_max_sessions_option_is_bounded():
+    from engine.runtime.launch import ServerConfig
+    from hicache_cli.app import app
+
+    for bad in ("0", "2000000"):
+        res = CliRunner().invoke(app, ["bench", "serve", "--max-sessions", bad])
+        assert res.exit_code == 2 and "--max-sessions" in res.output, res.output
+        assert "Traceback" not in res.output
+    with pytest.raises(ValueError, match="--max-sessions"):
+        ServerConfig(max_sessions=0)
