@@ -41,6 +41,7 @@ INF = math.inf
 SHARED = -1                        # ``Node.session`` of a block two sessions touched
 MAX_TTL_S = 30 * 86400.0           # the longest retention a client may declare
 MAX_SESSION_KEY_CHARS = 256
+MAX_BRANCHES = 8                   # branch ends a session's close finds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,14 +87,16 @@ class CacheHint:
 
 
 class _Session:
-    __slots__ = ("sid", "namespace", "key", "last", "claim_at", "claim_ttl", "closed")
+    __slots__ = ("sid", "namespace", "key", "leaves", "claim_at", "claim_ttl", "closed",
+                 "declares")
 
     def __init__(self, sid: int, namespace: Any, key: Any):
         self.sid, self.namespace, self.key = sid, namespace, key
-        self.last: Any = None              # the deepest node of the session's last request
+        self.leaves: list = []             # where its latest requests ended (its branches)
         self.claim_at = -1.0               # when the pending ttl claim was made (-1: none)
         self.claim_ttl = 0.0
         self.closed = False
+        self.declares = False              # it sent a retention (ttl) before
 
 
 class _Trust:
@@ -181,12 +184,30 @@ class HintBook:
         return self._sessions.get((namespace, key))
 
     def on_remove(self, node: Any) -> None:
-        """A node left the tree: a session whose last request ended there now ends at its
-        parent (so a later close still finds the session's remaining blocks)."""
+        """A node left the tree: a session branch that ended there now ends at its parent
+        (so a later close still finds the session's remaining blocks)."""
         s = self._by_sid.get(node.session)
-        if s is not None and s.last is node:
+        if s is not None and node in s.leaves:
+            s.leaves.remove(node)
             parent = node.parent
-            s.last = parent if parent is not None and parent.parent is not None else None
+            if parent is not None and parent.parent is not None and parent not in s.leaves:
+                s.leaves.append(parent)
+
+    def add_leaf(self, s: _Session, node: Any) -> None:
+        """``s``'s latest request ended at ``node``: a branch end (its ancestors that were
+        branch ends are not any more)."""
+        leaves = s.leaves
+        if leaves and leaves[-1] is node:
+            return
+        up = node.parent
+        while up is not None and up.parent is not None and up.session == s.sid:
+            if up in leaves:
+                leaves.remove(up)
+            up = up.parent
+        if node not in leaves:
+            leaves.append(node)
+            if len(leaves) > MAX_BRANCHES:
+                del leaves[0]
 
     # -- trust ----------------------------------------------------------------------------
     def _judge(self, namespace: Any, good: float, bad: float) -> None:
@@ -250,8 +271,12 @@ class HintBook:
         for node in nodes:
             node.hint_until, node.hint_expiry = until, expiry
         if expiry < INF:
-            self._seq += 1
-            heapq.heappush(self._expiry, (expiry, self._seq, nodes))
+            self.expire_at(nodes, expiry)
+
+    def expire_at(self, nodes: list, expiry: float) -> None:
+        """The declaration ``nodes`` got expires at ``expiry``."""
+        self._seq += 1
+        heapq.heappush(self._expiry, (expiry, self._seq, nodes))
 
     def expire_due(self, push: Callable[[Any], None]) -> None:
         """Declarations that expired: the nodes they marked (unless a later declaration
@@ -302,49 +327,77 @@ def apply_hint(book: HintBook, last: Any, namespace: Any, hint: CacheHint | None
         return 0, False
     s = book.session(namespace, hint.session)
     book.observe(s)
-    book.claim(s, hint.ttl_s, hint.close)
+    ttl = hint.ttl_s
+    close = hint.close or (s.declares and ttl is None)   # no retention asked any more: over
+    s.declares = ttl is not None
+    book.claim(s, ttl, close)
     on = book.trusted(namespace)
-    until: float | None = None
-    expiry = INF
-    if hint.close:
-        until = INF
-    elif hint.ttl_s is not None:
-        until, expiry = book.now + hint.ttl_s, book.now + book.grace * hint.ttl_s
+    counters = book.counters
+    if close:
+        until, expiry = INF, INF
+        counters["sessions_closed"] += 1
+    elif ttl is not None:
+        until, expiry = book.now + ttl, book.now + book.grace * ttl
+    else:
+        until, expiry = None, INF
     if last is not None and last.parent is not None:
-        s.last = last
+        book.add_leaf(s, last)
     sid = s.sid
     hinting = on and until is not None
+    counters["hints_applied" if hinting else "hints_ignored"] += 1
     marked: list = []
     node = last
     while node is not None and node.parent is not None:
         owner = node.session
         if owner == SHARED:
             break                          # its ancestors are shared too
-        if owner is None:
-            node.session = owner = sid
-        elif owner != sid:
-            node.session = SHARED
-            if node.hint_until is not None:
-                node.hint_until, node.hint_expiry = None, INF
-                push(node)
-            node = node.parent
-            continue
+        if owner != sid:
+            if owner is None:
+                node.session = sid
+            else:
+                node.session = SHARED
+                if node.hint_until is not None:
+                    node.hint_until, node.hint_expiry = None, INF
+                    push(node)
+                node = node.parent
+                continue
         if hinting:
+            node.hint_until, node.hint_expiry = until, expiry
             marked.append(node)
+            push(node)
         elif node.hint_until is not None:  # a declaration without a retention: unhinted
             node.hint_until, node.hint_expiry = None, INF
             push(node)
         node = node.parent
-    if marked:
-        assert until is not None
-        book.mark(marked, until, expiry)
-        for node in marked:
-            push(node)
-    n = len(marked)
-    book.counters["hints_applied" if on and until is not None else "hints_ignored"] += 1
-    if hint.close:
-        book.counters["sessions_closed"] += 1
-    return n, on
+    if marked and expiry < INF:
+        book.expire_at(marked, expiry)
+    if close and on:                       # the session's other branches go first too
+        marked += _mark_closed(book, s, push)
+    elif len(s.leaves) > 1:                # branches this request left: their declaration
+        for leaf in s.leaves[:-1]:          # was about this request, which did not use them
+            node = leaf
+            while node is not None and node.parent is not None and node.session == sid:
+                if node.hint_until is not None and node.hint_until != INF \
+                        and node.hint_expiry != expiry:
+                    node.hint_until, node.hint_expiry = None, INF
+                    push(node)
+                node = node.parent
+    return len(marked), on
+
+
+def _mark_closed(book: HintBook, s: _Session, push: Callable[[Any], None]) -> list:
+    """Mark every private node of closed ``s`` (on each branch end's path) first to go."""
+    marked: list = []
+    for leaf in list(s.leaves):
+        node = leaf
+        while node is not None and node.parent is not None and node.session == s.sid \
+                and node.hint_until != INF:
+            marked.append(node)
+            node = node.parent
+    book.mark(marked, INF, INF)
+    for node in marked:
+        push(node)
+    return marked
 
 
 def close_session(book: HintBook, namespace: Any, key: Any,
@@ -358,12 +411,4 @@ def close_session(book: HintBook, namespace: Any, key: Any,
     book.counters["sessions_closed"] += 1
     if not book.trusted(namespace):
         return 0
-    marked: list = []
-    node = s.last
-    while node is not None and node.parent is not None and node.session == s.sid:
-        marked.append(node)
-        node = node.parent
-    book.mark(marked, INF, INF)
-    for node in marked:
-        push(node)
-    return len(marked)
+    return len(_mark_closed(book, s, push))

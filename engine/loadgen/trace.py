@@ -10,6 +10,11 @@ Equal block ids give equal tokens; different ids give different tokens (a collis
 block is astronomically unlikely even in a 256-token vocabulary), so the server's prefix cache
 sees exactly the reuse the trace records.
 
+Client hints (:data:`HINT_FIELDS`, optional on every line): ``session_end`` (``true`` on a
+session's last request; absent or ``null``: false), ``ttl_s`` (the client's retention hint,
+expected seconds until the session's next request: a finite number in [0, 1e7]; absent or
+``null``: no hint) and ``priority`` (an integer in [-2**63, 2**63); absent or ``null``: 0).
+
 ``block_tokens`` < 512 scales the trace down for small models: each block becomes that many
 tokens and every input length shrinks by the same factor, keeping the reuse structure.
 """
@@ -42,6 +47,9 @@ itself, a string (at most :data:`MAX_SESSION_CHARS`) its 63-bit hash (:func:`ses
 ``null`` or absent: no key (``-1`` in :attr:`Trace.sessions`)."""
 MAX_SESSION_CHARS = 1024
 NO_SESSION = -1
+HINT_FIELDS = ("session_end", "ttl_s", "priority")
+MAX_TTL_S = 1e7
+"""Largest ``ttl_s`` a trace may carry (about 116 days)."""
 
 # What a trace may make the reader hold, whatever its file size (a gzip or Parquet file of a
 # few KB can describe gigabytes). Each can be raised through the environment variable named.
@@ -118,6 +126,9 @@ class TraceRecord:
     output_length: int
     hash_ids: tuple[int, ...]
     session: int = NO_SESSION
+    session_end: bool = False
+    ttl_s: float | None = None
+    priority: int = 0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -135,9 +146,24 @@ class Trace:
     sessions: np.ndarray | None = None
     """int64 session key per request (``NO_SESSION``: none), or ``None`` when the trace
     carries no key at all."""
+    session_ends: np.ndarray | None = None
+    """bool per request (true: the session's last request), or ``None`` when no request of
+    the trace sets ``session_end``."""
+    ttl_s: np.ndarray | None = None
+    """float64 per request, the client's expected seconds to the session's next request (NaN:
+    no hint), or ``None`` when no request carries ``ttl_s``."""
+    priorities: np.ndarray | None = None
+    """int64 per request, or ``None`` when every request's priority is the default 0."""
 
     def __len__(self) -> int:
         return len(self.input_lengths)
+
+    @property
+    def has_hints(self) -> bool:
+        """Whether any request carries a session key, a session end or a ttl."""
+        return bool((self.sessions is not None and (self.sessions != NO_SESSION).any())
+                    or (self.session_ends is not None and self.session_ends.any())
+                    or (self.ttl_s is not None and (~np.isnan(self.ttl_s)).any()))
 
     def hash_ids(self, i: int) -> np.ndarray:
         return self.blocks[self.offsets[i]:self.offsets[i + 1]]
@@ -146,16 +172,25 @@ class Trace:
         """The first ``n`` requests (all of them for ``None``)."""
         if n is None or n >= len(self):
             return self
+        def cut(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else a[:n]
+
         return Trace(self.name, self.timestamps_ms[:n], self.input_lengths[:n],
                      self.output_lengths[:n], self.offsets[:n + 1],
-                     self.blocks[:int(self.offsets[n])],
-                     None if self.sessions is None else self.sessions[:n])
+                     self.blocks[:int(self.offsets[n])], cut(self.sessions),
+                     cut(self.session_ends), cut(self.ttl_s), cut(self.priorities))
 
     def records(self) -> list[TraceRecord]:
         ids = self.blocks.tolist()
         offs = self.offsets.tolist()
-        sess = [NO_SESSION] * len(self) if self.sessions is None else self.sessions.tolist()
-        return [TraceRecord(ts, n_in, n_out, tuple(ids[offs[i]:offs[i + 1]]), sess[i])
+        n = len(self)
+        sess = [NO_SESSION] * n if self.sessions is None else self.sessions.tolist()
+        ends = [False] * n if self.session_ends is None else self.session_ends.tolist()
+        ttls = [None] * n if self.ttl_s is None else \
+            [None if math.isnan(t) else t for t in self.ttl_s.tolist()]
+        prio = [0] * n if self.priorities is None else self.priorities.tolist()
+        return [TraceRecord(ts, n_in, n_out, tuple(ids[offs[i]:offs[i + 1]]), sess[i],
+                            bool(ends[i]), ttls[i], prio[i])
                 for i, (ts, n_in, n_out) in enumerate(zip(self.timestamps_ms.tolist(),
                                                           self.input_lengths.tolist(),
                                                           self.output_lengths.tolist()))]
@@ -172,7 +207,20 @@ class Trace:
         return cls(name, np.array([r.timestamp_ms for r in recs], dtype=np.float64),
                    np.array([r.input_length for r in recs], dtype=np.int64),
                    np.array([r.output_length for r in recs], dtype=np.int64), offsets, blocks,
-                   sess if (sess != NO_SESSION).any() else None)
+                   sess if (sess != NO_SESSION).any() else None,
+                   *hint_columns([r.session_end for r in recs],
+                                 [math.nan if r.ttl_s is None else r.ttl_s for r in recs],
+                                 [r.priority for r in recs]))
+
+
+def hint_columns(ends: list, ttls: list, prios: list) -> tuple:
+    """``(session_ends, ttl_s, priorities)`` of :class:`Trace` from per-request lists (False /
+    NaN / 0 for none), each ``None`` when no request sets it."""
+    e = np.array(ends, dtype=bool)
+    t = np.array(ttls, dtype=np.float64)
+    p = np.array(prios, dtype=np.int64)
+    return (e if e.any() else None, None if np.isnan(t).all() else t,
+            p if p.any() else None)
 
 
 def _open_text(path: str) -> io.TextIOBase:
@@ -189,7 +237,33 @@ def _check_path(path: str) -> None:
         raise IsADirectoryError(21, "Is a directory", path)
 
 
-def _parse(line: str, where: str) -> tuple[float, int, int, list[int], int]:
+def _hints(obj: dict, where: str) -> tuple[bool, float, int]:
+    """The hint fields of one line: (session_end, ttl_s or NaN, priority)."""
+    if "session_end" not in obj and "ttl_s" not in obj and "priority" not in obj:
+        return _NO_HINTS
+    end = obj.get("session_end")
+    if end is None:
+        end = False
+    elif type(end) is not bool:
+        raise InputError(f"{where}: session_end must be true, false or null, got "
+                         f"{str(end)[:40]}")
+    ttl = obj.get("ttl_s")
+    if ttl is None:
+        ttl = math.nan
+    elif isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl) \
+            or not 0 <= ttl <= MAX_TTL_S:
+        raise InputError(f"{where}: ttl_s must be a number of seconds in [0, 1e7] or null, "
+                         f"got {str(ttl)[:40]}")
+    prio = obj.get("priority")
+    if prio is None:
+        prio = 0
+    elif type(prio) is not int or not -(1 << 63) <= prio < 1 << 63:
+        raise InputError(f"{where}: priority must be an integer in [-2**63, 2**63) or null, "
+                         f"got {str(prio)[:40]}")
+    return end, float(ttl), prio
+
+
+def _parse(line: str, where: str) -> tuple[float, int, int, list[int], int, tuple]:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -222,7 +296,11 @@ def _parse(line: str, where: str) -> tuple[float, int, int, list[int], int]:
         raise InputError(f"{where}: {len(ids)} hash_ids cannot cover input_length {n_in} "
                          f"(need {need} blocks of {TRACE_BLOCK})")
     key = next((obj[k] for k in SESSION_FIELDS if k in obj), None)
-    return float(ts), n_in, n_out, ids[:need], session_key(key, where)
+    hints = _NO_HINTS if len(obj) == 4 else _hints(obj, where)
+    return float(ts), n_in, n_out, ids[:need], session_key(key, where), hints
+
+
+_NO_HINTS = (False, math.nan, 0)
 
 
 class _Blocks:
@@ -254,6 +332,10 @@ def _load_jsonl(path: str, cap: int) -> Trace:
     n_out: list[int] = []
     lens: list[int] = []
     sess: list[int] = []
+    ends: list[bool] = []            # hints: filled from the first line that has one
+    ttls: list[float] = []
+    prios: list[int] = []
+    hinted = False
     blocks = _Blocks()
     read = 0
     with _open_text(path) as f:
@@ -267,7 +349,7 @@ def _load_jsonl(path: str, cap: int) -> Trace:
                 break
             if not line.strip():
                 continue
-            t, i, o, ids, key = _parse(line, f"{name}:{lineno}")
+            t, i, o, ids, key, hint = _parse(line, f"{name}:{lineno}")
             if blocks.n + len(ids) > max_blocks:
                 raise over_limit(f"{name}:{lineno}", f"{blocks.n + len(ids):,} blocks",
                                  "MAX_TRACE_BLOCKS")
@@ -276,15 +358,24 @@ def _load_jsonl(path: str, cap: int) -> Trace:
             n_out.append(o)
             lens.append(len(ids))
             sess.append(key)
+            if hint is not _NO_HINTS and not hinted:
+                hinted = True
+                back = len(ts) - 1
+                ends, ttls, prios = [False] * back, [math.nan] * back, [0] * back
+            if hinted:
+                ends.append(hint[0])
+                ttls.append(hint[1])
+                prios.append(hint[2])
             blocks.extend(ids)
             if len(ts) >= cap:
                 break
     offsets = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(lens, out=offsets[1:])
     keys = np.array(sess, dtype=np.int64)
+    cols = hint_columns(ends, ttls, prios) if hinted else (None, None, None)
     return Trace(name, np.array(ts, dtype=np.float64), np.array(n_in, dtype=np.int64),
                  np.array(n_out, dtype=np.int64), offsets, blocks.array(),
-                 keys if (keys != NO_SESSION).any() else None)
+                 keys if (keys != NO_SESSION).any() else None, *cols)
 
 
 def load_trace(path: str, limit: int | None = None) -> Trace:
@@ -313,6 +404,49 @@ def load_trace(path: str, limit: int | None = None) -> Trace:
         raise InputError(f"{name}: the trace holds no requests (in its first "
                          f"{MAX_REQUESTS:,} lines)")
     return trace
+
+
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
+
+
+def write_jsonl(trace: Trace, path: str) -> None:
+    """Write ``trace`` as Mooncake JSONL (gzip when ``path`` ends in ``.gz``), one request a
+    line in the trace's order, with ``session_id`` / ``session_end`` / ``ttl_s`` /
+    ``priority`` on the lines that carry them (session keys as integers: a string key was
+    hashed when read). By the output-path rule of :mod:`formats.outpath` (atomic)."""
+    from formats.outpath import atomic_output
+
+    n = len(trace)
+    ts = trace.timestamps_ms.tolist()
+    n_in = trace.input_lengths.tolist()
+    n_out = trace.output_lengths.tolist()
+    offs = trace.offsets.tolist()
+    ids = trace.blocks.tolist()
+    sess = None if trace.sessions is None else trace.sessions.tolist()
+    ends = None if trace.session_ends is None else trace.session_ends.tolist()
+    ttls = None if trace.ttl_s is None else trace.ttl_s.tolist()
+    prio = None if trace.priorities is None else trace.priorities.tolist()
+    with atomic_output(path) as raw:
+        out = gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6, mtime=0) \
+            if path.lower().endswith(".gz") else raw
+        try:
+            for i in range(n):
+                t = ts[i]
+                rec: dict = {"timestamp": int(t) if t.is_integer() else t,
+                             "input_length": n_in[i], "output_length": n_out[i],
+                             "hash_ids": ids[offs[i]:offs[i + 1]]}
+                if sess is not None and sess[i] != NO_SESSION:
+                    rec["session_id"] = sess[i]
+                if ends is not None and ends[i]:
+                    rec["session_end"] = True
+                if ttls is not None and not math.isnan(ttls[i]):
+                    rec["ttl_s"] = ttls[i]
+                if prio is not None and prio[i]:
+                    rec["priority"] = prio[i]
+                out.write(json.dumps(rec).encode() + b"\n")
+        finally:
+            if out is not raw:
+                out.close()
 
 
 def read_trace(path: str, limit: int | None = None) -> list[TraceRecord]:

@@ -4,10 +4,12 @@ The schema is the JSONL trace's, one row per request: ``timestamp`` (float64, ms
 ``input_length`` and ``output_length`` (int64) and ``hash_ids`` (list<int64>, cut to the blocks
 that cover the input), and optionally ``session_id`` (int64, null: no key; the JSONL reader's
 session key, a string as its hash; ``conversation_id`` / ``chat_id`` are read too, integers or
-strings). Reading one skips JSON parsing entirely: the list column's offsets and
-values become :class:`~engine.loadgen.trace.Trace`'s ``offsets`` and ``blocks`` without a copy.
-A columnar file is untrusted input like any trace: its size is bounded before it is read and
-every column is checked (types, nulls, ranges, coverage) with the first bad row named.
+strings) and the client hints ``session_end`` (bool, null: false), ``ttl_s`` (float64 seconds
+in [0, 1e7], null: no hint) and ``priority`` (int64, null: 0). Reading one skips JSON parsing
+entirely: the list column's offsets and values become :class:`~engine.loadgen.trace.Trace`'s
+``offsets`` and ``blocks`` without a copy. A columnar file is untrusted input like any trace:
+its size is bounded before it is read and every column is checked (types, nulls, ranges,
+coverage) with the first bad row named.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import numpy as np
 
 from engine.core.errors import InputError
 from engine.loadgen.trace import (
+    HINT_FIELDS,
     MAX_BLOCK_ID,
     MAX_INPUT_LENGTH,
     MAX_TIMESTAMP_MS,
+    MAX_TTL_S,
     NO_SESSION,
     SESSION_FIELDS,
     TRACE_BLOCK,
@@ -40,8 +44,10 @@ def columnar_kind(path: str) -> str | None:
 
 
 def _columns(names: list[str]) -> list[str]:
-    """The columns read: :data:`COLUMNS` and the first session field present."""
-    return list(COLUMNS) + [k for k in SESSION_FIELDS if k in names][:1]
+    """The columns read: :data:`COLUMNS`, the first session field present and the hint
+    fields present."""
+    return (list(COLUMNS) + [k for k in SESSION_FIELDS if k in names][:1]
+            + [k for k in HINT_FIELDS if k in names])
 
 
 def _parquet_plan(pf, name: str, cap: int) -> list[int]:
@@ -251,7 +257,44 @@ def read_columnar(path: str, cap: int, parquet: bool) -> Trace:
         values = values[pos < np.repeat(need, lens)]
         offsets = np.zeros(len(need) + 1, dtype=np.int64)
         np.cumsum(need, out=offsets[1:])
-    return Trace(name, ts, n_in, n_out, offsets, values, _sessions(name, table))
+    return Trace(name, ts, n_in, n_out, offsets, values, _sessions(name, table),
+                 *_hints(name, table))
+
+
+def _hints(name: str, table) -> tuple:
+    """``(session_ends, ttl_s, priorities)`` from the hint columns (each ``None`` when the
+    column is absent or holds only defaults)."""
+    import pyarrow as pa
+
+    names = table.column_names
+    ends = ttl = prio = None
+    if "session_end" in names:
+        col = table.column("session_end").combine_chunks()
+        if not pa.types.is_boolean(col.type):
+            raise InputError(f"{name}: column 'session_end' must hold booleans, not {col.type}")
+        ends = np.asarray(col.fill_null(False).to_numpy(zero_copy_only=False), dtype=bool)
+        ends = ends if ends.any() else None
+    if "ttl_s" in names:
+        col = table.column("ttl_s").combine_chunks()
+        if not (pa.types.is_floating(col.type) or pa.types.is_integer(col.type)):
+            raise InputError(f"{name}: column 'ttl_s' must hold numbers, not {col.type}")
+        valid = np.asarray(col.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+        vals = col.cast(pa.float64()).fill_null(0.0).to_numpy(zero_copy_only=False)
+        _first_bad(name, valid & ~((vals >= 0) & (vals <= MAX_TTL_S)),
+                   "ttl_s must be a number of seconds in [0, 1e7] or null")
+        ttl = np.where(valid, vals, np.nan)
+        ttl = None if np.isnan(ttl).all() else ttl
+    if "priority" in names:
+        col = table.column("priority").combine_chunks()
+        if not pa.types.is_integer(col.type):
+            raise InputError(f"{name}: column 'priority' must hold integers, not {col.type}")
+        vals = col.fill_null(0).to_numpy(zero_copy_only=False)
+        if pa.types.is_unsigned_integer(col.type):
+            _first_bad(name, vals >= np.uint64(1 << 63),
+                       "priority must be an integer in [-2**63, 2**63) or null")
+        prio = vals.astype(np.int64)
+        prio = prio if prio.any() else None
+    return ends, ttl, prio
 
 
 def _sessions(name: str, table) -> np.ndarray | None:
@@ -302,6 +345,14 @@ def write_columnar(trace: Trace, path: str) -> None:
     if trace.sessions is not None:
         table = table.append_column("session_id", pa.array(
             trace.sessions, type=pa.int64(), mask=trace.sessions == NO_SESSION))
+    if trace.session_ends is not None:
+        table = table.append_column("session_end", pa.array(trace.session_ends,
+                                                            type=pa.bool_()))
+    if trace.ttl_s is not None:
+        table = table.append_column("ttl_s", pa.array(trace.ttl_s, type=pa.float64(),
+                                                      mask=np.isnan(trace.ttl_s)))
+    if trace.priorities is not None:
+        table = table.append_column("priority", pa.array(trace.priorities, type=pa.int64()))
     from formats.outpath import atomic_output
 
     with atomic_output(path) as f:
