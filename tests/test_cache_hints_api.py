@@ -281,7 +281,7 @@ def _idle(h):
         time.sleep(0.02)
 
 
-def _compete(hints: bool) -> dict:
+def _compete(hints: bool, **server) -> dict:
     """Sessions A and B each send a 96-token prefix (B after A: under LRU, A is older); A's
     client declares its next turn within 3 s (it comes sooner), B's closes its session.
     Unhinted traffic then presses on L1+L2 until one of the two prefixes has left the tree. The cache applies a
@@ -290,7 +290,7 @@ def _compete(hints: bool) -> dict:
     rng = np.random.default_rng(7)
     pa, pb = rng.integers(0, 256, 96).tolist(), rng.integers(0, 256, 96).tolist()
     sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
-    h = _server(l1_tokens=128, l2_tokens=384, page_size=16)
+    h = _server(l1_tokens=128, l2_tokens=384, page_size=16, **server)
     try:
         for i in range(8):
             w = {"session_id": f"w{i}"} if hints else {}
@@ -323,7 +323,9 @@ def _compete(hints: bool) -> dict:
                                        **a}).json()
         stats = _on_sched(h, h.engine.cache.hint_stats)
         metrics = requests.get(h.url + "/metrics", timeout=10).text
-        return {"gone_first": gone_first, "a_nodes_alive": ida <= alive,
+        b_again = _post(h, "/generate", {"input_ids": pb + [5, 6, 7], "sampling_params": sp}
+                        ).json()["meta_info"]["cached_tokens_details"]
+        return {"b_again": b_again, "gone_first": gone_first, "a_nodes_alive": ida <= alive,
                 "b_nodes_alive": bool(idb & alive), "held": (held_a, held_b),
                 "a_turn2_cached": turn2["meta_info"]["cached_tokens"], "hint_stats": stats,
                 "metrics": metrics}
@@ -343,6 +345,20 @@ def test_the_session_with_a_ttl_keeps_its_prefix_and_the_closed_one_goes_first()
     assert st["trusted_namespaces"] == 1 and st["sessions_closed"] >= 9, st
     assert st["closed_evictions"] > 0, st
     assert f"hicache_hint_closed_evictions_total {st['closed_evictions']}" in got["metrics"]
+
+
+def test_a_closed_session_is_not_written_back_to_l3(tmp_path):
+    """With an L3 store: the closed session's KV leaves L2 without a write-back (the store
+    never gets it, so its next request hits nothing), the TTL session's prefix stays."""
+    got = _compete(hints=True, hicache_storage_backend="file",
+                   hicache_storage_dir=str(tmp_path / "l3"))
+    assert got["gone_first"] == "B" and got["a_turn2_cached"] >= 96, got
+    assert got["hint_stats"]["l3_writebacks_skipped"] > 0, got
+    assert got["b_again"] == {"device": 0, "host": 0, "storage": 0}, got
+    without = _compete(hints=False, hicache_storage_backend="file",
+                       hicache_storage_dir=str(tmp_path / "l3-lru"))
+    assert without["gone_first"] == "A" and without["hint_stats"]["l3_writebacks_skipped"] == 0
+    assert without["a_turn2_cached"] >= 96, without      # LRU: A written back, read from L3
 
 
 @pytest.mark.parametrize("shape", [("--tp", "2"), ("--pp", "2"), ("--cp", "2")],
