@@ -122,6 +122,15 @@ def test_bad_hints_are_input_errors_with_the_reason(route, body, match):
         PARSE[route](body)
 
 
+def test_priority_is_sglangs_or_dynamos():
+    assert PARSE["generate"]({"priority": 5}).priority == 5
+    assert PARSE["chat"]({"nvext": {"agent_hints": {"priority": 7, "osl": 10}}}).priority == 7
+    assert PARSE["completions"]({"priority": 2, "nvext": {"agent_hints": {"priority": 7}}}
+                                ).priority == 2
+    with pytest.raises(InputError, match="nvext.agent_hints.priority"):
+        PARSE["generate"]({"nvext": {"agent_hints": {"priority": "high"}}})
+
+
 def test_cache_control_does_not_change_the_prompt_tokens():
     tok = _tok()
     plain = parse_chat({"messages": [{"role": "user", "content": [

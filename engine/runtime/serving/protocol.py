@@ -114,7 +114,15 @@ def _encode(text: str, tok: Tokenizer | None, name: str) -> np.ndarray:
 
 
 def _priority(body: dict) -> int:
-    v = _field(body, "priority", "int", 0)
+    """SGLang's ``priority`` (larger: more important), else Dynamo's
+    ``nvext.agent_hints.priority`` (the same direction)."""
+    v = _field(body, "priority", "int", None)
+    if v is None:
+        nv = body.get("nvext")
+        ah = nv.get("agent_hints") if isinstance(nv, dict) else None
+        if ah is not None and not isinstance(ah, dict):
+            raise InputError("field 'nvext.agent_hints' must be an object")
+        v = _field(ah or {}, "priority", "int", 0, "nvext.agent_hints.")
     if not _INT64[0] <= v < _INT64[1]:
         raise InputError(f"field 'priority' must fit in 64 bits, got {v}")
     return v
