@@ -35,6 +35,7 @@ MIN_COLLECTIVE_TIMEOUT_S = 1.0         # also the start-up rendezvous limit of t
 MAX_HICACHE_RATIO = 1e6                # L2 as a multiple of L1
 MAX_HICACHE_SIZE_GB = 1e9              # L2 in GB (an exabyte)
 MAX_SEED = (1 << 63) - 1
+MAX_SESSIONS = 1 << 20                 # --max-sessions: the session registry's bound
 
 
 def _in_range(opt: str, v: Any, lo: float, hi: float, lo_open: bool = False) -> None:
@@ -226,6 +227,7 @@ class ServerConfig:
     eviction_policy: str = "lru"
     disable_radix_cache: bool = False
     max_running_requests: int = 64
+    max_sessions: int = 4096           # client sessions the server keeps (docs/cache-hints.md)
     chunked_prefill_size: int = 512
     exact: bool | None = None          # batch-invariant kernels (default: on CPU)
     threads: int = 0                   # torch threads per process (0: torch's own / TP's share)
@@ -322,6 +324,8 @@ class ServerConfig:
         if self.flush_cache_scope not in ("cache", "all"):
             raise ValueError(f"--flush-cache-scope: choose cache or all, got "
                              f"{self.flush_cache_scope!r}")
+        if not 1 <= self.max_sessions <= MAX_SESSIONS:
+            raise ValueError(f"--max-sessions must be 1..{MAX_SESSIONS}, got {self.max_sessions}")
         if self.context_length is not None and self.context_length < 1:
             raise ValueError(f"--context-length must be >= 1, got {self.context_length}")
         if not 0 <= self.port < 65536:

@@ -13,7 +13,8 @@ from engine.core.choices import Choice
 GROUPS: dict[str, tuple[str, ...]] = {
     "server": ("host", "port", "device", "model", "seed", "exact", "threads", "record_events",
                "tokenizer_dir", "served_model_name", "weight_version", "context_length",
-               "max_running_requests", "chunked_prefill_size", "flush_cache_scope",
+               "max_running_requests", "max_sessions", "chunked_prefill_size",
+               "flush_cache_scope",
                "hicache_model_fingerprint", "rank_log_dir", "inject_divergence",
                "snapshot_dir"),
     "cache": ("page_size", "l1_tokens", "l2_tokens", "hicache_ratio", "hicache_size_gb",

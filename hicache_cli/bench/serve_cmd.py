@@ -91,6 +91,10 @@ NoRadix = Annotated[bool, _O("--disable-radix-cache", field="disable_radix_cache
                                                            "computed in full.")]
 MaxRunning = Annotated[int, _O("--max-running-requests", field="max_running_requests",
                                help="Requests decoding at once.")]
+MaxSessions = Annotated[int, _O("--max-sessions", field="max_sessions", min=1, max=1 << 20,
+                                help="Client sessions the server keeps open at most "
+                                "(/open_session, session ids, prompt_cache_key; "
+                                "docs/cache-hints.md); opening more is refused.")]
 Chunk = Annotated[int, _O("--chunked-prefill-size", field="chunked_prefill_size",
                           help="Prompt tokens prefilled per step.")]
 Eviction = Annotated[PolicyName, _O("--eviction-policy", "--radix-eviction-policy", field="eviction_policy",
@@ -280,6 +284,7 @@ def serve_cmd(
     device: Device = DeviceChoice.auto, model: Model = "tiny", seed: Seed = None,
     threads: Threads = 0, served_model_name: ServedName = None,
     tokenizer_dir: TokenizerDir = None, max_running_requests: MaxRunning = 64,
+    max_sessions: MaxSessions = 4096,
     chunked_prefill_size: Chunk = 512, flush_cache_scope: FlushScopeOpt = FlushScopeChoice.cache,
     hicache_model_fingerprint: ModelPrint = None, rank_log_dir: ServeRankLogDir = None,
     inject_divergence: ServeDivergence = None, dump_tree_on_exit: DumpOnExit = None,

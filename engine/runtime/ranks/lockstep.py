@@ -13,6 +13,9 @@ Read-only calls (``Scheduler.call``) run on rank 0 alone, in inbox order.
   writes its log and snapshot (engine.runtime.ranks.worker).
 * **Flush.** ``request_flush(scope)`` is an intake item: every rank empties the same tiers at
   the same step.
+* **Cache hints.** Rank 0's hint clock (``clock``: its ``time.monotonic()``, last item of every
+  intake) and session closes (``close_session``: namespace, session) are intake items too, so
+  every rank's cache takes the same TTL and close decisions at the same step.
 * **A lost rank.** A collective that fails, or a forward that raises, ends the group: a rank's
   own error is fatal (its peers already ran that step). Rank 0 names the cause through
   ``health()`` (the launcher's view: a rank killed by the watchdog for silence first, then one
@@ -23,7 +26,9 @@ Read-only calls (``Scheduler.call``) run on rank 0 alone, in inbox order.
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from typing import Any, Callable
 
 import msgpack
@@ -38,7 +43,8 @@ from engine.runtime.topology import Topology
 log = logging.getLogger("hicache.ranks")
 
 # What an intake message may carry besides requests: (kind, str | None) items.
-INTAKE_KINDS = frozenset({"req", "abort", "stop", "flush", "halt", "l3_release"})
+INTAKE_KINDS = frozenset({"req", "abort", "stop", "flush", "halt", "l3_release", "clock",
+                          "close_session"})
 MAX_INTAKE_BYTES = 1 << 30
 
 
@@ -146,6 +152,8 @@ class LockstepScheduler(Scheduler):
             wire += [list(x) for x in self._intake_extra()]
             if self._stop.is_set():
                 wire.append(["halt", None])
+            else:
+                wire.append(["clock", time.monotonic()])
             data = encode_intake(wire)
             self._unsent = [i for k, i in local if k == "req"]
         got = broadcast_bytes(data, src=0)
@@ -154,7 +162,7 @@ class LockstepScheduler(Scheduler):
             for kind, item in local:
                 self._apply_item(kind, item)
             for kind, item in decode_intake(got):
-                if kind not in ("req", "abort", "stop", "flush"):
+                if kind not in ("req", "abort", "stop", "flush", "close_session"):
                     self._apply_item(kind, item)
         else:
             for kind, item in decode_intake(got):
@@ -173,12 +181,24 @@ class LockstepScheduler(Scheduler):
                 self._finish(r, FinishReason.ABORT)
             self.halted = True
             self._on_halt()
+        elif kind == "clock":
+            if isinstance(item, bool) or not isinstance(item, (int, float)) or \
+                    not math.isfinite(item):
+                raise ValueError(f"malformed hint clock on the rank link: {item!r}")
+            self.cache.set_clock(float(item))
+        elif kind == "close_session":
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[1], str)):
+                raise ValueError(f"malformed session close on the rank link: {item!r}")
+            self._handle(kind, item)
         elif kind in ("req", "abort", "stop", "call"):
             self._handle(kind, item)
         elif kind == "wake":             # Scheduler.stop's nudge: nothing to apply
             pass
         else:
             self._apply_extra(kind, item)
+
+    def _tick_clock(self) -> None:
+        """The hint clock came with the intake (rank 0's): nothing to read here."""
 
     def _on_halt(self) -> None:
         """Every rank, once the halt is applied (pipeline: close pp_sync's links)."""

@@ -18,9 +18,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from engine.cache.hints import CacheHint
 from engine.cache.types import CacheFacade
 from engine.core.errors import InputError, OutOfCapacity
-from engine.core.namespace import Namespace, as_namespace
+from engine.core.namespace import Namespace, as_namespace, from_wire
 from engine.runtime.model import Chunk, Model
 from engine.runtime.scheduler import sampling
 from engine.runtime.scheduler.params import (
@@ -81,15 +82,17 @@ class Scheduler:
     # -- thread-safe API ------------------------------------------------------------------
     def submit(self, input_ids: Sequence[int] | np.ndarray, sampling: SamplingParams,
                callback: Callback | None = None, *, rid: str | None = None,
-               namespace: Namespace | str | None = None, priority: int = 0) -> str:
-        """Queue a request; returns its id. Raises :class:`InputError` for bad requests."""
+               namespace: Namespace | str | None = None, priority: int = 0,
+               hint: CacheHint | None = None) -> str:
+        """Queue a request; returns its id. Raises :class:`InputError` for bad requests.
+        ``hint``: the client's cache hint, applied to the request's path at its release."""
         namespace = as_namespace(namespace)
         ids = np.asarray(input_ids, dtype=np.int64).reshape(-1)
         self.validate(ids, sampling)
         if self._thread is not None and not self._thread.is_alive():
             raise OutOfCapacity(f"the scheduler has stopped: {self.last_error or 'shut down'}")
         rid = rid or f"req-{next(self._rid_counter)}"
-        req = _Req(rid, ids, sampling, namespace, priority, callback)
+        req = _Req(rid, ids, sampling, namespace, priority, callback, hint)
         with self._lock:
             if rid in self._by_rid:
                 raise InputError(f"request id {rid!r} is already in use")
@@ -120,6 +123,12 @@ class Scheduler:
 
     def abort(self, rid: str) -> None:
         self._inbox.put(("abort", rid))
+
+    def close_session(self, namespace: Namespace | str | None, session: str) -> None:
+        """A client closed ``session`` (of ``namespace``): at the next step the cache marks
+        that session's private KV first to go (every rank of a group at the same step)."""
+        ns = as_namespace(namespace)
+        self._inbox.put(("close_session", [None if ns is None else ns.to_wire(), str(session)]))
 
     def finish_early(self, rid: str) -> None:
         """End a request as if it had hit a stop token (the server matched a stop string):
@@ -222,6 +231,7 @@ class Scheduler:
             return False
         self.step_no += 1
         self.cache.events.set_step(self.step_no)
+        self._tick_clock()
         self._consume_completions()
         ran_spec = self._spec_round()
         chunks, reqs = self._build_batch()
@@ -239,6 +249,11 @@ class Scheduler:
             self._batch_failed(exc, reqs)
         self.metrics.steps += 1
         return True
+
+    def _tick_clock(self) -> None:
+        """The hint clock (TTL deadlines), once per step: this process's monotonic clock (a
+        lockstep group applies rank 0's, sent with the intake)."""
+        self.cache.set_clock(time.monotonic())
 
     def _decided(self) -> None:
         """The step's cache decisions are made, its forward not yet run (a lockstep group
@@ -310,6 +325,9 @@ class Scheduler:
                 self._finish(r, FinishReason.STOP)
             elif r is not None and r in self._waiting:
                 self._finish(r, FinishReason.ABORT)
+        elif kind == "close_session":
+            ns, session = item
+            self.cache.close_session(from_wire(ns), session)
         elif kind == "call":
             fn, fut = item
             if fut.set_running_or_notify_cancel():
@@ -519,7 +537,7 @@ class Scheduler:
             else r.ids
         self.cache.release(seq, r.pages, insert=keep, n_prefix_pages=r.n_prefix_pages,
                            namespace=r.namespace, rid=r.rid, priority=r.priority,
-                           prefix_hashes=r.hashes, receipt=r.receipt)
+                           prefix_hashes=r.hashes, receipt=r.receipt, hint=r.hint)
         r.pages = np.empty(0, dtype=np.int64)
         r.receipt = None
 

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.cache.hints import CacheHint
 from engine.cache.types import LayerLoad
 from engine.core.namespace import Namespace, from_wire
 from engine.runtime.scheduler.params import Callback, SamplingParams
@@ -29,11 +30,13 @@ class _Req:
                  "t_admit", "t_first", "phase", "receipt", "load", "pages", "n_prefix_pages",
                  "kv_len", "out", "cached_device", "cached_host", "cached_storage", "gen",
                  "aborted", "hashes", "lp_pending", "input_lp", "draft_len", "spec_proposed",
-                 "spec_accepted", "spec_steps", "spec_dropped", "pd")
+                 "spec_accepted", "spec_steps", "spec_dropped", "pd", "hint")
 
     def __init__(self, rid: str, ids: np.ndarray, sampling: SamplingParams,
-                 namespace: Namespace | None, priority: int, cb: Callback | None):
+                 namespace: Namespace | None, priority: int, cb: Callback | None,
+                 hint: CacheHint | None = None):
         self.rid, self.ids, self.sampling = rid, ids, sampling
+        self.hint = hint                            # the client's cache hint (soft)
         self.namespace, self.priority, self.cb = namespace, priority, cb
         self.t_arrival = time.perf_counter()
         self.t_admit = math.nan
@@ -59,29 +62,30 @@ class _Req:
     # -- the one wire format of a request between ranks (the lockstep intake) ---------------
     def to_wire(self) -> list:
         """Plain values only (msgpack-able): what another rank needs to rebuild this request
-        as it arrived — id, prompt, sampling, namespace, priority, and whether it was aborted
-        before the step that carries it."""
+        as it arrived — id, prompt, sampling, namespace, priority, whether it was aborted
+        before the step that carries it, and its cache hint (None or ``CacheHint.to_wire``)."""
         sampling = {k: list(v) if isinstance(v, tuple) else v
                     for k, v in dataclasses.asdict(self.sampling).items()}
         ns = None if self.namespace is None else self.namespace.to_wire()
         return [self.rid, np.ascontiguousarray(self.ids, dtype="<i8").tobytes(), sampling, ns,
-                int(self.priority), bool(self.aborted)]
+                int(self.priority), bool(self.aborted),
+                None if self.hint is None else self.hint.to_wire()]
 
     @classmethod
     def from_wire(cls, w: Any) -> "_Req":
         """The request :meth:`to_wire` described (no callback: it lives on rank 0);
         ``ValueError`` for anything else."""
-        if not (isinstance(w, (list, tuple)) and len(w) == 6 and isinstance(w[0], str)
+        if not (isinstance(w, (list, tuple)) and len(w) == 7 and isinstance(w[0], str)
                 and isinstance(w[1], bytes) and len(w[1]) % 8 == 0 and isinstance(w[2], dict)
                 and isinstance(w[4], int) and isinstance(w[5], bool)):
             raise ValueError("malformed request on the rank link")
-        rid, ids, sampling, ns, priority, aborted = w
+        rid, ids, sampling, ns, priority, aborted, hint = w
         known = {f.name for f in dataclasses.fields(SamplingParams)}
         if not set(sampling) <= known:
             raise ValueError(f"unknown sampling fields on the rank link: {set(sampling) - known}")
         sampling = {k: tuple(v) if isinstance(v, list) else v for k, v in sampling.items()}
         r = cls(rid, np.frombuffer(ids, dtype="<i8").astype(np.int64), SamplingParams(**sampling),
-                from_wire(ns), priority, None)
+                from_wire(ns), priority, None, CacheHint.from_wire(hint))
         r.aborted = aborted
         return r
 

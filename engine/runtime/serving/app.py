@@ -21,7 +21,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from engine.core.errors import HiCacheError, InputError, OutOfCapacity
-from engine.runtime.serving import info, shapes
+from engine.runtime.serving import info, session_routes, shapes
 from engine.runtime.serving import metrics as prom
 from engine.runtime.serving.batch import Batch, ClientGone, Sub
 from engine.runtime.serving.common import ENGINE_KEY, error_response, on_scheduler
@@ -336,6 +336,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def metrics(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     sched = engine.scheduler
+    sessions = engine.sessions.stats()         # the registry lives on the event loop
 
     def collect() -> str:
         info = {k: v for k, v in engine.describe().items()
@@ -343,6 +344,7 @@ async def metrics(request: web.Request) -> web.Response:
                          "write_policy", "l3")}
         text = prom.render(sched.metrics, engine.cache.stats(), sched.num_running(),
                            sched.num_waiting(), info)
+        text += prom.render_hints(engine.cache.hint_stats(), sessions)
         if getattr(engine, "kv_events", None) is not None:
             text += engine.kv_events.metrics_text()
         return text + engine.extra_metrics()     # P/D decode worker: the link's audit
@@ -430,6 +432,7 @@ def make_app(engine: Engine) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/metrics", metrics)
     info.add_routes(app)
+    session_routes.add_routes(app, _json_body)
     for method in ("GET", "POST"):
         app.router.add_route(method, "/flush_cache", flush_cache)
         app.router.add_route(method, "/clear_hicache_storage_backend", clear_storage)

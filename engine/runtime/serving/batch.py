@@ -19,6 +19,7 @@ from engine.runtime.scheduler import RequestOutput
 from engine.runtime.serving.common import error_response
 from engine.runtime.serving.protocol import ParsedRequest
 from engine.runtime.serving.runtime import Engine
+from engine.runtime.serving.session_routes import end_sessions, use_sessions
 
 POLL_S = 0.25          # how often a waiting handler checks that its client is still there
 
@@ -132,6 +133,7 @@ class Batch:
         sched = engine.scheduler
         for ids in parsed.prompts:            # validate all before submitting any
             sched.validate(ids, parsed.sampling)
+        use_sessions(engine, parsed.namespace, parsed.session)
         self.subs: list[Sub] = []
         single = len(parsed.prompts) == 1 and parsed.n == 1
         try:
@@ -143,12 +145,14 @@ class Batch:
                     rid = parsed.rid if parsed.rid and single else uuid.uuid4().hex
                     i = len(self.subs)
                     sched.submit(ids, sp, self._callback(i), rid=rid,
-                                 namespace=parsed.namespace, priority=parsed.priority)
+                                 namespace=parsed.namespace, priority=parsed.priority,
+                                 hint=parsed.hint)
                     self.subs.append(Sub(i, p, rid, [int(t) for t in ids],
                                          tok.stream() if tok else None, parsed.stop))
         except BaseException:
             self.abort()
             raise
+        end_sessions(engine, parsed.namespace, parsed.session)
 
     def _callback(self, index: int):
         def cb(out: RequestOutput) -> None:

@@ -32,14 +32,17 @@ async def model_info(request: web.Request) -> web.Response:
 
 async def server_info(request: web.Request) -> web.Response:
     """SGLang's shape (top-level server settings, ``version``, ``internal_states``) plus ours
-    (``cache``: the cache's counters)."""
+    (``cache``: the cache's counters; ``cache_hints``: the cache's hint counters and the
+    session registry's, docs/cache-hints.md)."""
     engine = request.app[ENGINE_KEY]
     sched = engine.scheduler
 
-    def collect() -> tuple[dict, int, int]:
-        return engine.cache.stats(), sched.num_running(), sched.num_waiting()
+    def collect() -> tuple[dict, int, int, dict]:
+        return engine.cache.stats(), sched.num_running(), sched.num_waiting(), \
+            engine.cache.hint_stats()
 
-    stats, running, waiting = await on_scheduler(engine, collect)
+    sessions = engine.sessions.stats()         # the registry lives on the event loop
+    stats, running, waiting, hints = await on_scheduler(engine, collect)
     d = engine.describe()
     return web.json_response({
         **d, "version": VERSION, "weight_version": engine.weight_version,
@@ -54,7 +57,8 @@ async def server_info(request: web.Request) -> web.Response:
                                  "accept_length")}],
         "kv_events": None if getattr(engine, "kv_events", None) is None
         else engine.kv_events.describe(engine.cfg.page_size),
-        "cache": stats})
+        "cache": stats,
+        "cache_hints": {**hints, "sessions": sessions}})
 
 
 def _model_card(engine: Engine) -> dict:

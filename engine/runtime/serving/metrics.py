@@ -158,3 +158,37 @@ def render(m: SchedulerMetrics, cache_stats: dict[str, Any], running: int, waiti
     w.histogram("ttft_seconds", "Arrival to first output token.", m.ttft)
     w.histogram("e2e_latency_seconds", "Arrival to finish.", m.e2e_latency)
     return w.text()
+
+
+SESSION_HELP = {
+    "sessions": ("gauge", "Client sessions the server's registry holds (opened or seen)."),
+    "opened_sessions": ("gauge", "Sessions opened (/open_session, nvext open) and not closed."),
+    "max_sessions": ("gauge", "The registry's bound (--max-sessions)."),
+}
+
+
+HINT_GAUGES = frozenset({"sessions", "trusted_namespaces", "namespaces_judged"})
+"""``hint_stats()`` keys that are levels; every other key counts events (``…_total``)."""
+
+
+def render_hints(hint_stats: dict[str, Any], session_stats: dict[str, Any]) -> str:
+    """Client cache hints: the cache's figures (``HiCache.hint_stats()`` as
+    ``hicache_hint_<key>``: a gauge for :data:`HINT_GAUGES`, else a counter ``…_total``) and
+    the session registry's (``hicache_sessions*``)."""
+    w = _Writer()
+    for key, v in sorted(hint_stats.items()):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        base = key[len("hint_"):] if key.startswith("hint_") else key
+        if key in HINT_GAUGES:
+            w.scalar(f"hint_{base}", "gauge", f"Cache hints: {key.replace('_', ' ')}.", v)
+        else:
+            name = base if base.endswith("_total") else f"{base}_total"
+            w.scalar(f"hint_{name}", "counter",
+                     f"Cache hints: {key.replace('_', ' ')} (events).", v)
+    for key, v in sorted(session_stats.items()):
+        kind, help_ = SESSION_HELP.get(key, ("counter" if key.endswith("_total") else "gauge",
+                                             f"Session registry: {key.replace('_', ' ')}."))
+        name = key if key.endswith("sessions") else f"sessions_{key}"
+        w.scalar(name, kind, help_, v)
+    return w.text()

@@ -19,6 +19,7 @@ from engine.core.namespace import FIELDS as NS_FIELDS
 from engine.core.namespace import MAX_FIELD_CHARS as MAX_NS_CHARS
 from engine.core.namespace import Namespace
 from engine.runtime.scheduler import SamplingParams
+from engine.runtime.serving.hints import RequestHints, SessionUse, parse_hints
 from engine.runtime.tokenizer import Tokenizer
 
 MAX_BODY_BYTES = 64 << 20          # a request body larger than this is refused (413)
@@ -47,6 +48,11 @@ class ParsedRequest:
     logprob_start_len: int = -1       # SGLang: first prompt position with input logprobs
     text_in_logprobs: bool = False    # SGLang return_text_in_logprobs
     stream_interval: int = 1
+    hint: Any = None                  # CacheHint | None: the client's cache hint (serving.hints)
+    session: SessionUse | None = None  # what it asks of the session registry
+
+    def with_hints(self, h: RequestHints) -> "ParsedRequest":
+        return dataclasses.replace(self, hint=h.hint, session=h.session)
 
 
 # -- typed field access --------------------------------------------------------------------
@@ -108,7 +114,15 @@ def _encode(text: str, tok: Tokenizer | None, name: str) -> np.ndarray:
 
 
 def _priority(body: dict) -> int:
-    v = _field(body, "priority", "int", 0)
+    """SGLang's ``priority`` (larger: more important), else Dynamo's
+    ``nvext.agent_hints.priority`` (the same direction)."""
+    v = _field(body, "priority", "int", None)
+    if v is None:
+        nv = body.get("nvext")
+        ah = nv.get("agent_hints") if isinstance(nv, dict) else None
+        if ah is not None and not isinstance(ah, dict):
+            raise InputError("field 'nvext.agent_hints' must be an object")
+        v = _field(ah or {}, "priority", "int", 0, "nvext.agent_hints.")
     if not _INT64[0] <= v < _INT64[1]:
         raise InputError(f"field 'priority' must fit in 64 bits, got {v}")
     return v
@@ -268,7 +282,7 @@ def parse_generate(body: Any, tok: Tokenizer | None) -> ParsedRequest:
         logprob_start_len=start,
         text_in_logprobs=_field(body, "return_text_in_logprobs", "bool", False),
         stream_interval=max(1, _field(sp, "stream_interval", "int", 1, w)),
-        cached_details=True)
+        cached_details=True).with_hints(parse_hints(body, "generate"))
 
 
 # -- POST /v1/completions ------------------------------------------------------------------
@@ -322,7 +336,8 @@ def parse_completions(body: Any, tok: Tokenizer | None) -> ParsedRequest:
     if lp is not None:
         sampling = dataclasses.replace(sampling, logprobs=True, top_logprobs=lp,
                                        input_logprobs_from=0 if echo else None)
-    return ParsedRequest(prompts=prompts, sampling=sampling, echo=echo, logprobs=lp, **common)
+    return ParsedRequest(prompts=prompts, sampling=sampling, echo=echo, logprobs=lp,
+                         **common).with_hints(parse_hints(body, "completions"))
 
 
 # -- POST /v1/chat/completions -------------------------------------------------------------
@@ -355,7 +370,7 @@ def parse_chat(body: Any, tok: Tokenizer | None) -> ParsedRequest:
     if want_lp:
         sampling = dataclasses.replace(sampling, logprobs=True, top_logprobs=top)
     return ParsedRequest(prompts=[ids], sampling=sampling, logprobs=top if want_lp else None,
-                         **_openai_common(body))
+                         **_openai_common(body)).with_hints(parse_hints(body, "chat"))
 
 
 # -- responses -----------------------------------------------------------------------------

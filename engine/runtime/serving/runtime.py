@@ -19,6 +19,7 @@ from engine.runtime.config import MEMORY_SHARE, ServerConfig  # noqa: F401
 from engine.runtime.model_id import model_tokenizer
 from engine.runtime.ranks.build import Rank, build_rank
 from engine.runtime.ranks.lockstep import LockstepScheduler
+from engine.runtime.serving.sessions import SessionRegistry
 from engine.runtime.tokenizer import Tokenizer
 from engine.runtime.topology import Topology
 
@@ -51,6 +52,7 @@ class Engine:
         self.failure: str | None = None      # why a rank group stopped (a rank died or hung)
         self.on_failure: Callable[[str], None] | None = None   # the foreground server: stop
         self.kv_events: Any = None           # the KV-event publisher (serving.kv_events)
+        self.sessions = SessionRegistry(cfg.max_sessions)
         self.num_params = self.rank.full_config.num_params()   # of the whole model
         self.tokenizer: Tokenizer | None = model_tokenizer(cfg.model, self.model.cfg)
         self.model_name = cfg.served_model_name or self.model.cfg.name
