@@ -65,6 +65,26 @@ def test_agentic_is_the_default_and_uses_every_tier():
     assert torch.get_num_threads() == before          # the job's thread setting is undone
 
 
+def test_the_hints_run_sends_hints_the_server_takes_and_finds_right():
+    """``--hints``: a third run, the same prompts; its clients' retentions (the gap each saw)
+    are judged right by the server, which applies them once trusted, and each session's
+    last turn closes it."""
+    res = run_main_job(MainJobConfig(**{**AGENTIC, "num_rounds": 6}, hints=True))
+    runs = res["runs"]
+    assert list(runs) == ["l1_only", "hicache", "hicache_hints"]
+    h = runs["hicache_hints"]
+    assert h["requests"] == runs["hicache"]["requests"] == {"sent": 24, "ok": 24, "failed": 0}
+    assert h["tokens"]["prompt"] == runs["hicache"]["tokens"]["prompt"]
+    st = h["cache_hints"]
+    # 4 x 4 retentions judged (a stall of the machine can put one turn gap off by 4x)
+    assert st["sessions_closed"] == 4 and st["hints_wrong"] <= 1, st
+    assert st["hints_right"] + st["hints_wrong"] >= 16, st
+    assert st["hints_applied"] > 0 or st["hints_wrong"], st
+    c = res["comparison"]["hints"]
+    assert c["hit_rate_hints"] == h["hit_rate"]["total"]
+    assert "cache_hints" not in runs["hicache"]
+
+
 def test_main_job_human():
     r = runner.invoke(app, ["bench", "-w", "multiturn", *TINY, "--no-storage"])
     assert r.exit_code == 0, r.output

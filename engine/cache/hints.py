@@ -139,7 +139,8 @@ class HintBook:
         self._by_sid: dict[int, _Session] = {}
         self._next_sid = 0
         self._trust: dict[Any, _Trust] = {}
-        self._expiry: list = []            # (expiry time, seq, nodes marked): ttl declarations
+        self._expiry: list = []            # (expiry time, seq, node ids): ttl declarations
+        self._live: dict[int, Any] = {}    # node id -> node, of nodes a declaration holds
         self._claims: list = []            # (deadline, seq, sid, claim_at or -1-closed_at)
         self._gap_log = 0.0
         self._gap_n = 0.0
@@ -194,12 +195,14 @@ class HintBook:
     def on_remove(self, node: Any) -> None:
         """A node left the tree: a session branch that ended there now ends at its parent
         (so a later close still finds the session's remaining blocks)."""
+        self._live.pop(node.id, None)
         s = self._by_sid.get(node.session)
         if s is not None and node in s.leaves:
             s.leaves.remove(node)
             parent = node.parent
-            if parent is not None and parent.parent is not None and parent not in s.leaves:
-                s.leaves.append(parent)
+            if parent is not None and parent.parent is not None and \
+                    parent.session == s.sid and parent not in s.leaves:
+                s.leaves.append(parent)           # (a shared parent is nobody's branch end)
 
     def add_leaf(self, s: _Session, node: Any) -> None:
         """``s``'s latest request ended at ``node``: a branch end (its ancestors that were
@@ -302,18 +305,29 @@ class HintBook:
             self.expire_at(nodes, expiry)
 
     def expire_at(self, nodes: list, expiry: float) -> None:
-        """The declaration ``nodes`` got expires at ``expiry``."""
+        """The declaration ``nodes`` got expires at ``expiry`` (kept by node id: a node that
+        leaves the tree meanwhile is not held alive)."""
+        live = self._live
+        for node in nodes:
+            live[node.id] = node
         self._seq += 1
-        heapq.heappush(self._expiry, (expiry, self._seq, nodes))
+        heapq.heappush(self._expiry, (expiry, self._seq, [n.id for n in nodes]))
 
     def expire_due(self, push: Callable[[Any], None]) -> None:
         """Declarations that expired: the nodes they marked (unless a later declaration
         re-marked them) become ordinary candidates again."""
         exp, now = self._expiry, self.now
         while exp and exp[0][0] <= now:
-            t, _, nodes = heapq.heappop(exp)
-            for node in nodes:
-                if node.hint_expiry == t and node.hint_until is not None:
+            t, _, ids = heapq.heappop(exp)
+            live = self._live
+            for i in ids:
+                node = live.get(i)
+                if node is None:
+                    continue
+                if node.hint_expiry != t:      # re-marked since: still live through that
+                    continue
+                del live[i]
+                if node.hint_until is not None:
                     node.hint_until = None
                     node.hint_expiry = INF
                     self.counters["hints_expired"] += 1
@@ -379,8 +393,6 @@ def apply_hint(book: HintBook, last: Any, namespace: Any, hint: CacheHint | None
         until, expiry = book.now + ttl, book.now + book.grace * ttl
     else:
         until, expiry = None, INF
-    if last is not None and last.parent is not None:
-        book.add_leaf(s, last)
     sid = s.sid
     hinting = on and until is not None
     counters["hints_applied" if hinting else "hints_ignored"] += 1
@@ -410,6 +422,8 @@ def apply_hint(book: HintBook, last: Any, namespace: Any, hint: CacheHint | None
         node = node.parent
     if marked and expiry < INF:
         book.expire_at(marked, expiry)
+    if last is not None and last.parent is not None and last.session == sid:
+        book.add_leaf(s, last)             # (a shared end is nobody's branch)
     if close and on:                       # the session's other branches go first too
         marked += _mark_closed(book, s, push)
     elif len(s.leaves) > 1:                # branches this request left: their declaration

@@ -161,8 +161,11 @@ class Tier:
                 continue
             evicted.append(node.id)
             freed += pages
-        if len(self.heap) + len(self.hheap) > 4 * tree.num_nodes + 4096:
+        if len(self.heap) > 4 * tree.num_nodes + 4096:
             self.rebuild((n for n in tree.iter_nodes() if n.hint_until is None), key)
+        if len(self.hheap) > 2 * tree.num_nodes + 256:
+            # every request re-marks its session's path: stale entries pile up (and would
+            # keep removed nodes alive)
             self.hheap = []
             for n in tree.iter_nodes():
                 if n.hint_until is not None and is_candidate(n):

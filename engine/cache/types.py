@@ -214,8 +214,19 @@ class CacheFacade(Protocol):
 
     def release(self, tokens: np.ndarray, pages: np.ndarray, *, insert: bool,
                 n_prefix_pages: int = 0, namespace: Any = None, rid: Any = None,
-                priority: int = 0, prefix_hashes: Sequence = (), receipt: Any = None) -> None:
-        """The end of a request: insert its full pages or free its own, then unlock."""
+                priority: int = 0, prefix_hashes: Sequence = (), receipt: Any = None,
+                hint: Any = None) -> None:
+        """The end of a request: insert its full pages or free its own, apply its client
+        hint (engine.cache.hints), then unlock."""
+
+    def set_clock(self, t: float) -> None:
+        """The hint clock in seconds (the same on every rank at a step)."""
+
+    def close_session(self, namespace: Any, session: Any) -> int:
+        """A client closed a session: its private KV goes first."""
+
+    def hint_stats(self) -> dict[str, Any]:
+        """What the client hints did (engine.cache.hints)."""
 
     def poll(self, limits: dict | None = None) -> dict[str, int]:
         """Commit finished transfers."""

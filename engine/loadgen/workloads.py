@@ -87,10 +87,8 @@ class ConversationConfig:
     vocab_size: int = DEFAULT_VOCAB
     seed: int = 0
     hints: bool = False
-    """The clients send cache hints: each turn its session and a retention (the gap it saw
-    between its last two turns, or ``first_ttl_s`` before it saw one); the last turn closes
-    the session."""
-    first_ttl_s: float = 10.0
+    """The clients send cache hints: each turn its session and, once it saw a gap between two
+    of its turns, a retention of that gap; the last turn closes the session."""
 
     def __post_init__(self) -> None:
         for name in ("num_clients", "num_rounds", "request_length", "vocab_size"):
@@ -132,7 +130,6 @@ class ConversationSession:
         self.client = client
         self._system = system
         self._sent: float | None = None      # when this client's latest turn was made
-        self._gap = cfg.first_ttl_s          # the turn gap it expects (the last one it saw)
 
     def _hint(self, turn: int) -> Mapping[str, Any] | None:
         """What a hinting client says with ``turn``: its session, and when it will be back —
@@ -140,15 +137,16 @@ class ConversationSession:
         if not self.cfg.hints:
             return None
         now = time.monotonic()
-        if self._sent is not None:
-            self._gap = max(now - self._sent, 1e-3)
+        gap = None if self._sent is None else max(now - self._sent, 1e-3)
         self._sent = now
         key = f"client-{self.cfg.seed}-{self.client}"
         if turn + 1 >= self.cfg.num_rounds:
             return {"session_id": key,
                     "nvext": {"session_control": {"session_id": key, "action": "close"}}}
+        if gap is None:                      # no gap seen yet: nothing to declare
+            return {"session_id": key}
         return {"session_id": key,
-                "nvext": {"cache_control": {"type": "ephemeral", "ttl": f"{self._gap:.3f}s"}}}
+                "nvext": {"cache_control": {"type": "ephemeral", "ttl": f"{gap:.3f}s"}}}
 
     def _user_turn(self, rnd: int) -> tuple[int, ...]:
         cfg = self.cfg

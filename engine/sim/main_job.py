@@ -23,7 +23,7 @@ import time
 from typing import Callable, Iterator
 
 from engine.core.errors import HiCacheError
-from engine.loadgen.driver import LoadConfig, LoadResult, run_load
+from engine.loadgen.driver import LoadConfig, LoadResult, run_load, server_info
 from engine.loadgen.report import summarize_result
 from engine.loadgen.trace import trace_workload
 from engine.loadgen.workloads import ConversationConfig, Workload, agentic, multiturn
@@ -280,7 +280,10 @@ def run_main_job(cfg: MainJobConfig, runner: Runner = _plain_runner) -> dict:
             with embedded_server(srv, label) as url:
                 result = runner(wl, LoadConfig(url=url, concurrency=cfg.concurrency,
                                                seed=cfg.seed), label)
+                info = server_info(url) or {}
             runs[name] = summarize_result(result)
+            if name == HINTS_RUN[0]:           # what the server made of the hints
+                runs[name]["cache_hints"] = info.get("cache_hints")
     tiers = "L1+L2+L3(file)" if cfg.storage else "L1+L2"
     config = {**dataclasses.asdict(cfg), "shape": cfg.shape(), "hicache_tiers": tiers}
     comparison = compare(runs["l1_only"], runs["hicache"])
