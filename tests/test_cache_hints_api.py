@@ -370,6 +370,8 @@ def test_the_session_with_a_ttl_keeps_its_prefix_and_the_closed_one_goes_first()
     assert st["trusted_namespaces"] == 1 and st["sessions_closed"] >= 9, st
     assert st["closed_evictions"] > 0, st
     assert f"hicache_hint_closed_evictions_total {st['closed_evictions']}" in got["metrics"]
+    assert "# TYPE hicache_hint_trusted_closes gauge" in got["metrics"]
+    assert "\nhicache_hint_trusted_closes 1\n" in got["metrics"]
 
 
 def test_a_closed_session_is_not_written_back_to_l3(tmp_path):

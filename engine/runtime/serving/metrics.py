@@ -167,20 +167,22 @@ SESSION_HELP = {
 }
 
 
-HINT_GAUGES = frozenset({"sessions", "trusted_namespaces", "namespaces_judged"})
-"""``hint_stats()`` keys that are levels; every other key counts events (``…_total``)."""
+HINT_GAUGES = frozenset({"sessions", "namespaces_judged"})
+"""``hint_stats()`` keys that are levels (with every ``trusted_*`` one); every other key counts
+events (``…_total``)."""
 
 
 def render_hints(hint_stats: dict[str, Any], session_stats: dict[str, Any]) -> str:
     """Client cache hints: the cache's figures (``HiCache.hint_stats()`` as
-    ``hicache_hint_<key>``: a gauge for :data:`HINT_GAUGES`, else a counter ``…_total``) and
+    ``hicache_hint_<key>``: a gauge for :data:`HINT_GAUGES` and ``trusted_*``, else a counter
+    ``…_total``) and
     the session registry's (``hicache_sessions*``)."""
     w = _Writer()
     for key, v in sorted(hint_stats.items()):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             continue
         base = key[len("hint_"):] if key.startswith("hint_") else key
-        if key in HINT_GAUGES:
+        if key in HINT_GAUGES or key.startswith("trusted_"):
             w.scalar(f"hint_{base}", "gauge", f"Cache hints: {key.replace('_', ' ')}.", v)
         else:
             name = base if base.endswith("_total") else f"{base}_total"
