@@ -64,6 +64,13 @@ class Tier:
         heapq.heappush(self.hheap, ((-node.hint_until, node.last_access),
                                     self.tie(node, self.seq), node))
 
+    def rebuild_hinted(self, tree: RadixTree) -> None:
+        """A fresh hinted heap of exactly the current hinted candidates."""
+        self.hheap = []
+        for n in tree.iter_nodes():
+            if n.hint_until is not None and self.is_candidate(n):
+                self.push_hinted(n)
+
     def rebuild(self, nodes: Iterable[Node], key: Callable[[Node], Any]) -> None:
         """A fresh heap of exactly the current candidates (drops every stale entry)."""
         heap = []
@@ -137,9 +144,7 @@ class Tier:
                 if rebuilt:
                     break
                 self.rebuild((n for n in tree.iter_nodes() if n.hint_until is None), key)
-                for n in tree.iter_nodes():
-                    if n.hint_until is not None and is_candidate(n):
-                        self.push_hinted(n)
+                self.rebuild_hinted(tree)
                 heap, hheap = self.heap, self.hheap
                 top = None
                 rebuilt = True
@@ -166,8 +171,5 @@ class Tier:
         if len(self.hheap) > 2 * tree.num_nodes + 256:
             # every request re-marks its session's path: stale entries pile up (and would
             # keep removed nodes alive)
-            self.hheap = []
-            for n in tree.iter_nodes():
-                if n.hint_until is not None and is_candidate(n):
-                    self.push_hinted(n)
+            self.rebuild_hinted(tree)
         return freed, eligible, evicted
