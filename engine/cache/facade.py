@@ -21,7 +21,8 @@ import numpy as np
 
 from engine.cache.allocator import PageAllocator
 from engine.cache.events import EV, EventLog
-from engine.cache.hints import CacheHint, HintBook, apply_hint, close_session
+from engine.cache.facade_hints import HintMethods
+from engine.cache.hints import CacheHint, HintBook
 from engine.cache.l3 import L3Tier
 from engine.cache.policy import EvictionPolicy, make_policy
 from engine.cache.radix_tree import Node, RadixTree
@@ -50,7 +51,7 @@ _STAT_COUNTERS = ("match_tokens", "hit_l1_tokens", "hit_l2_tokens", "hit_l3_toke
                   "evicted_l2_pages", "prefetch_pages")
 
 
-class HiCache:
+class HiCache(HintMethods):
     """The cache stack of one rank (see the module docstring and docs/engine-api.md)."""
 
     def __init__(self, config: CacheConfig, events: EventLog | None = None,
@@ -359,62 +360,6 @@ class HiCache:
             self.hint(last, namespace, hint, rid=rid)
         if receipt is not None:
             self.unlock(receipt)
-
-    # ------------------------------------------------------------------ client hints
-    def _hint_book(self) -> HintBook:
-        if self.hints is None:
-            self.hints = HintBook(**self.config.hint_kwargs)
-            self.hints.on_distrust = self._distrust
-        return self.hints
-
-    def set_clock(self, t: float) -> None:
-        """The hint clock, in seconds (every rank of a group gets the same value at the same
-        step): judges declarations whose time passed and expires stale hints."""
-        book = self._hint_book()
-        book.set_clock(t, self.tree.clock)
-        book.judge_due()
-        book.expire_due(self._push_candidate)
-
-    def hint(self, last: Node | None, namespace: Namespace | str | None,
-             hint: CacheHint | None, rid: Any = None) -> int:
-        """Apply a request's hint to the path ending at ``last`` (engine.cache.hints); one
-        ``hint`` event when a hint was given. Returns the nodes hinted."""
-        n, on = apply_hint(self._hint_book(), last, as_namespace(namespace), hint,
-                           self._push_candidate)
-        if hint is not None:
-            self.events.emit(EV.HINT, rid=rid, session=None if hint.session is None
-                             else str(hint.session), ttl=hint.ttl_s, close=hint.close,
-                             applied=on, nodes=n)
-        return n
-
-    def close_session(self, namespace: Namespace | str | None, session: str | int) -> int:
-        """A client closed ``session``: its private KV goes first. Returns the nodes marked."""
-        n = close_session(self._hint_book(), as_namespace(namespace), session,
-                          self._push_candidate)
-        self.events.emit(EV.SESSION_CLOSE, session=str(session), nodes=n)
-        return n
-
-    def hint_stats(self) -> dict[str, Any]:
-        return self._hint_book().stats()
-
-    def _hinted_split(self, lower: Node) -> None:
-        """A walk split a hinted edge: its new upper half holds the same declaration."""
-        assert self.hints is not None and lower.parent is not None
-        assert lower.hint_until is not None
-        self.hints.mark([lower.parent], lower.hint_until, lower.hint_expiry)
-
-    def _distrust(self, namespace: Any, kind: str) -> None:
-        """A namespace's hints of ``kind`` (``close``/``ttl``) stopped being trusted: the nodes
-        they marked are ordinary again."""
-        closed = kind == "close"
-        for tier in (self._t1, self._t2):
-            if tier is None:
-                continue
-            for _, _, node in tier.hheap:
-                if node.namespace == namespace and node.hint_until is not None \
-                        and (node.hint_until == float("inf")) == closed:
-                    node.hint_until, node.hint_expiry = None, float("inf")
-                    self._push_candidate(node)
 
     # ------------------------------------------------------------------ insert
     def insert(self, tokens: Sequence[int] | np.ndarray, pages: np.ndarray,
