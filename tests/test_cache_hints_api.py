@@ -308,21 +308,24 @@ def _earn_trust(generate, close, rng, hints: bool = True) -> None:
     time.sleep(1.0)                        # the closes stay unanswered: judged right
 
 
-def _compete(hints: bool, **server) -> dict:
+def _compete(hints: bool, warm: bool = True, **server) -> dict:
     """Sessions A and B each send a 96-token prefix (B after A: under LRU, A is older); A's
     client declares its next turn within 3 s (it comes sooner), B's closes its session.
     Unhinted traffic then presses on L1+L2 until one of the two prefixes has left the tree. The cache applies a
     namespace's hints once enough of them proved right (docs/eviction.md): ten earlier
     sessions of two turns earn that trust first, each first turn declaring the next within
     0.3 s (it comes then) and each second closing the session (it stays away past twice the
-    turn gap seen); hint-less: the same requests, no hints."""
+    turn gap seen); hint-less: the same requests, no hints. ``warm=False``: no such sessions
+    (for ``--hint-trust always``)."""
     rng = np.random.default_rng(7)
     pa, pb = rng.integers(0, 256, 96).tolist(), rng.integers(0, 256, 96).tolist()
     sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
     h = _server(l1_tokens=128, l2_tokens=384, page_size=16, **server)
     try:
-        _earn_trust(lambda body: _post(h, "/generate", {**body, "sampling_params": sp}),
-                    lambda sid: _post(h, "/close_session", {"session_id": sid}), rng, hints)
+        if warm:
+            _earn_trust(lambda body: _post(h, "/generate", {**body, "sampling_params": sp}),
+                        lambda sid: _post(h, "/close_session", {"session_id": sid}), rng,
+                        hints)
         a = {"session_id": "A", "nvext": {"cache_control": {"type": "ephemeral",
                                                             "ttl": "3s"}}} if hints else {}
         b = {"session_id": "B"} if hints else {}
@@ -372,6 +375,22 @@ def test_the_session_with_a_ttl_keeps_its_prefix_and_the_closed_one_goes_first()
     assert f"hicache_hint_closed_evictions_total {st['closed_evictions']}" in got["metrics"]
     assert "# TYPE hicache_hint_trusted_closes gauge" in got["metrics"]
     assert "\nhicache_hint_trusted_closes 1\n" in got["metrics"]
+
+
+def test_hint_trust_always_applies_at_once_and_off_never():
+    """``--hint-trust always``: with no sessions before (no trust earned) the hints order
+    eviction from the first request; ``off``: after the same warm-up that earns trust, they
+    are judged right and never applied (LRU's order: the older session goes)."""
+    at_once = _compete(hints=True, warm=False, hint_trust="always")
+    assert at_once["gone_first"] == "B" and at_once["a_turn2_cached"] >= 96, at_once
+    assert at_once["hint_stats"]["trust_mode"] == "always"
+    off = _compete(hints=True, hint_trust="off")
+    st = off["hint_stats"]
+    assert off["gone_first"] == "A", st
+    assert st["hints_applied"] == 0 and st["hints_right"] >= 10 and st["trusted_namespaces"] == 0
+    res = CliRunner().invoke(__import__("hicache_cli.app").app.app,
+                             ["bench", "serve", "--hint-trust", "sometimes"])
+    assert res.exit_code == 2 and "--hint-trust" in res.output and "Traceback" not in res.output
 
 
 def test_a_closed_session_is_not_written_back_to_l3(tmp_path):

@@ -220,3 +220,28 @@ def test_untrusted_hints_are_only_recorded():
         req(c3, toks(1000 * i, 2), CacheHint(f"s{i}", close=True), t=float(i))
     c3.set_clock(1000.0)
     assert c3.hint_stats()["trusted_closes"] == 0
+
+
+@pytest.mark.parametrize("mode", ["always", "off", "earned"])
+def test_trust_modes_decide_whether_hints_are_applied(mode):
+    """``always``: applied from the first request, and still after they proved wrong; ``off``:
+    judged, never applied; ``earned`` (the default): not before enough came true."""
+    c = make_cache(page_size=P, real=False, l1_pages=6, hint_kwargs={"trust_mode": mode})
+    a, b = toks(0, 3), toks(1000, 3)
+    req(c, a, CacheHint("a", 1.0), t=0.0)
+    req(c, a[:8], CacheHint("a", 1.0), t=50.0)   # far later than declared: a wrong retention
+    req(c, b, CacheHint("b", close=True), t=51.0)
+    st = c.hint_stats()
+    assert st["trust_mode"] == mode and st["hints_wrong"] == 1, st
+    b_node = c.tree.walk(b, None, split=False)[0][-1]
+    if mode == "always":
+        assert st["hints_applied"] == 3 and b_node.hint_until == math.inf, st
+        assert st["trusted_ttls"] == 1          # the wrong retention did not switch it off
+        req(c, toks(3000, 3), None, t=52.0)
+        assert cached(c, b) == 0 and cached(c, a) == 12   # the closed session went first
+    else:
+        assert st["hints_applied"] == 0 and b_node.hint_until is None, st
+        req(c, toks(3000, 3), None, t=52.0)
+        assert cached(c, b) == 12 and cached(c, a) < 12   # LRU: the oldest went
+    with pytest.raises(ValueError, match="hint trust must be one of"):
+        make_cache(page_size=P, real=False, hint_kwargs={"trust_mode": "sometimes"}).hint_stats()

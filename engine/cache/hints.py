@@ -43,6 +43,8 @@ MAX_TTL_S = 30 * 86400.0           # the longest retention a client may declare
 MAX_SESSION_KEY_CHARS = 256
 MAX_BRANCHES = 8                   # branch ends a session's close finds
 DEFAULT_GAP_S = 60.0               # a session's turn gap, until some were seen
+TRUST_MODES = ("earned", "always", "off")
+"""When a namespace's hints are applied (``HintBook(trust_mode=)``, ``--hint-trust``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,13 +125,22 @@ class HintBook:
     a few lucky guesses do not switch them on, nor do hints right eight times in ten. Closes
     and retentions earn trust apart (one kind can be right while the other is not).
     ``min_evidence=0`` trusts a namespace before anything was judged (tests).
+
+    ``trust_mode``: ``earned`` (the rule above), ``always`` (every namespace's hints are applied
+    from the first request and stay applied, however they turn out: for clients the operator
+    runs), ``off`` (hints are recorded and judged, never applied). See :data:`TRUST_MODES`.
     """
 
     def __init__(self, *, max_sessions: int = 65536, grace: float = 2.0, band: float = 4.0,
-                 min_evidence: int = 8, trust: float = 0.9, window: int = 512):
+                 min_evidence: int = 8, trust: float = 0.9, window: int = 512,
+                 trust_mode: str = "earned"):
         if max_sessions < 1 or grace < 1 or band < 1 or not 0 <= trust <= 1:
             raise ValueError("hint book: max_sessions >= 1, grace >= 1, band >= 1 and "
                              "0 <= trust <= 1")
+        if trust_mode not in TRUST_MODES:
+            raise ValueError(f"hint trust must be one of {', '.join(TRUST_MODES)}, got "
+                             f"{trust_mode!r:.40}")
+        self.trust_mode = trust_mode
         self.max_sessions, self.grace, self.band = max_sessions, grace, band
         self.min_evidence, self.trust_level, self.window = min_evidence, trust, window
         self.now = 0.0
@@ -236,15 +247,21 @@ class HintBook:
         self.counters["hints_wrong"] += bad > 0
         was = tr.on
         n = tr.good + tr.bad
-        tr.on = n >= self.min_evidence and (n > 0 and _wilson_low(tr.good, n) >= self.trust_level
-                                            or self.min_evidence == 0 and tr.bad == 0)
+        if self.trust_mode != "earned":
+            tr.on = self.trust_mode == "always"
+        else:
+            tr.on = n >= self.min_evidence and (
+                n > 0 and _wilson_low(tr.good, n) >= self.trust_level
+                or self.min_evidence == 0 and tr.bad == 0)
         if was and not tr.on:
             self.counters["distrusted"] += 1
             self.on_distrust(namespace, kind)
 
     def trusted(self, namespace: Any, kind: str) -> bool:
         tr = self._trust.get((namespace, kind))
-        return tr.on if tr is not None else self.min_evidence == 0
+        if tr is not None:
+            return tr.on
+        return self.trust_mode == "always" or self.trust_mode == "earned" and self.min_evidence == 0
 
     def observe(self, s: _Session) -> None:
         """A request of session ``s`` arrived now: judge what the session declared before."""
@@ -336,7 +353,7 @@ class HintBook:
 
     def stats(self) -> dict[str, Any]:
         c = self.counters
-        return {"sessions": len(self._sessions),
+        return {"sessions": len(self._sessions), "trust_mode": self.trust_mode,
                 "trusted_namespaces": len({ns for (ns, _), t in self._trust.items() if t.on}),
                 "trusted_closes": sum(t.on for (_, k), t in self._trust.items() if k == "close"),
                 "trusted_ttls": sum(t.on for (_, k), t in self._trust.items() if k == "ttl"),

@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 from engine.cache.facade import WritePolicy
+from engine.cache.hints import TRUST_MODES
 from engine.cache.policy import policy_names
 from engine.cache.pool import HostLayout
 from engine.runtime.config_fields import (  # noqa: F401 - the groups, re-exported
@@ -228,6 +229,7 @@ class ServerConfig:
     disable_radix_cache: bool = False
     max_running_requests: int = 64
     max_sessions: int = 4096           # client sessions the server keeps (docs/cache-hints.md)
+    hint_trust: str = "earned"         # when client hints are applied: earned | always | off
     chunked_prefill_size: int = 512
     exact: bool | None = None          # batch-invariant kernels (default: on CPU)
     threads: int = 0                   # torch threads per process (0: torch's own / TP's share)
@@ -324,6 +326,9 @@ class ServerConfig:
         if self.flush_cache_scope not in ("cache", "all"):
             raise ValueError(f"--flush-cache-scope: choose cache or all, got "
                              f"{self.flush_cache_scope!r}")
+        if self.hint_trust not in TRUST_MODES:
+            raise ValueError(f"--hint-trust: choose {', '.join(TRUST_MODES)}, got "
+                             f"{self.hint_trust!r:.40}")
         if not 1 <= self.max_sessions <= MAX_SESSIONS:
             raise ValueError(f"--max-sessions must be 1..{MAX_SESSIONS}, got {self.max_sessions}")
         if self.context_length is not None and self.context_length < 1:

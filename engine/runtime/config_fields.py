@@ -13,7 +13,7 @@ from engine.core.choices import Choice
 GROUPS: dict[str, tuple[str, ...]] = {
     "server": ("host", "port", "device", "model", "seed", "exact", "threads", "record_events",
                "tokenizer_dir", "served_model_name", "weight_version", "context_length",
-               "max_running_requests", "max_sessions", "chunked_prefill_size",
+               "max_running_requests", "max_sessions", "hint_trust", "chunked_prefill_size",
                "flush_cache_scope",
                "hicache_model_fingerprint", "rank_log_dir", "inject_divergence",
                "snapshot_dir"),

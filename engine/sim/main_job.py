@@ -22,6 +22,7 @@ import tempfile
 import time
 from typing import Callable, Iterator
 
+from engine.cache.hints import TRUST_MODES
 from engine.core.errors import HiCacheError
 from engine.loadgen.driver import LoadConfig, LoadResult, run_load, server_info
 from engine.loadgen.report import summarize_result
@@ -83,6 +84,10 @@ class MainJobConfig:
     hints: bool = False
     """Add a third run: HiCache again, its clients sending cache hints (each turn a retention,
     the last turn a session close; docs/cache-hints.md)."""
+    hint_trust: str = "always"
+    """The hinted run's server ``--hint-trust``: ``always`` (the job's clients are its own, and a
+    48-request job is too short to earn trust), ``earned`` (what a server facing unknown clients
+    does) or ``off`` (hints sent, never applied: the cost of carrying them)."""
     threads: int | None = 1
     """torch intra-op threads during the job (``None``: leave torch's setting). The server's
     HTTP thread and the load generator share the process, so one thread for the model leaves a
@@ -166,6 +171,11 @@ def check_config(cfg: MainJobConfig) -> None:
     if cfg.hints and cfg.is_trace:
         raise ValueError("--hints needs a generated workload (agentic or multiturn): a trace's "
                          "clients send no hints")
+    if cfg.hint_trust not in TRUST_MODES:
+        raise ValueError(f"--hint-trust: choose {', '.join(TRUST_MODES)}, got "
+                         f"{cfg.hint_trust!r:.40}")
+    if cfg.hint_trust != "always" and not cfg.hints:
+        raise ValueError("--hint-trust applies to the --hints run; add --hints")
     if cfg.concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {cfg.concurrency}")
     if cfg.threads is not None and not 1 <= cfg.threads <= MAX_THREADS:
@@ -217,14 +227,16 @@ def fitted(cfg: MainJobConfig) -> MainJobConfig:
     return dataclasses.replace(cfg, l1_tokens=need, l2_tokens=l2)
 
 
-def server_config(cfg: MainJobConfig, hicache: bool, storage_dir: str | None):
+def server_config(cfg: MainJobConfig, hicache: bool, storage_dir: str | None,
+                  hints: bool = False):
     """L1 only: no L2, no L3. HiCache: the same L1, ``l2_tokens`` of L2, and a file L3 in
-    ``storage_dir`` when given."""
+    ``storage_dir`` when given; ``hints``: the server applies client hints as ``hint_trust``
+    says."""
     from engine.runtime.launch import ServerConfig
 
-    extra = {}
+    extra: dict = {"hint_trust": cfg.hint_trust} if hints else {}
     if hicache and storage_dir is not None:
-        extra = {"hicache_storage_backend": "file", "hicache_storage_dir": storage_dir}
+        extra.update(hicache_storage_backend="file", hicache_storage_dir=storage_dir)
     return ServerConfig(host="127.0.0.1", port=0, device=cfg.device, model=cfg.model,
                         l1_tokens=cfg.l1_tokens, l2_tokens=cfg.l2_tokens if hicache else 0,
                         **extra)
@@ -274,7 +286,8 @@ def run_main_job(cfg: MainJobConfig, runner: Runner = _plain_runner) -> dict:
             tempfile.TemporaryDirectory(prefix="hicache-bench-l3-") as l3_dir:
         for name, label in RUNS + ((HINTS_RUN,) if cfg.hints else ()):
             hicache = name != "l1_only"
-            srv = server_config(cfg, hicache, _fresh(l3_dir, name) if cfg.storage else None)
+            srv = server_config(cfg, hicache, _fresh(l3_dir, name) if cfg.storage else None,
+                                hints=name == HINTS_RUN[0])
             # fresh sessions: the same prompts in every run
             wl = build_workload(cfg, hints=name == HINTS_RUN[0])
             with embedded_server(srv, label) as url:
@@ -304,8 +317,12 @@ def _fresh(l3_dir: str, name: str) -> str:
 
 def compare_hints(plain: dict, hinted: dict) -> dict:
     """The hinted HiCache run beside the plain one: hit rates (all tiers, and L1 alone — what
-    the hints move), and how many times lower the hinted run's TTFT is."""
+    the hints move), how many times lower the hinted run's TTFT is, and how many of the
+    hints the server applied."""
+    seen = hinted.get("cache_hints") or {}
     return {
+        "hints_sent": int(seen.get("hints_applied", 0)) + int(seen.get("hints_ignored", 0)),
+        "hints_applied": int(seen.get("hints_applied", 0)),
         "hit_rate_hicache": plain["hit_rate"]["total"],
         "hit_rate_hints": hinted["hit_rate"]["total"],
         "l1_hit_rate_hicache": plain["hit_rate"]["device"],

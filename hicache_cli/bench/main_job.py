@@ -21,6 +21,9 @@ from hicache_cli.output import OutputFormat, emit_json, fail, handle_errors, std
 D = MainJobConfig
 Hints = Annotated[bool, typer.Option("--hints", help="Add a run of HiCache whose clients send "
                                      "cache hints (a retention each turn, a close at the end).")]
+HintTrust = Annotated[str, typer.Option(
+    "--hint-trust", help="The --hints run's server --hint-trust: always (default: the job's "
+    "own clients), earned (as for unknown clients) or off (hints carried, never applied).")]
 
 
 def main_job(
@@ -51,7 +54,7 @@ def main_job(
     model: str = typer.Option(D.model, help="Model preset or local checkpoint dir."),
     seed: int = typer.Option(D.seed, help="Seed of the generated prompts."),
     threads: Optional[int] = typer.Option(D.threads, min=1, help="torch intra-op threads for the model."),
-    hints: Hints = D.hints,
+    hints: Hints = D.hints, hint_trust: HintTrust = D.hint_trust,
     fmt: OutputFormat = typer.Option(OutputFormat.human, "--format", help="human | json."),
     replicas: Optional[int] = typer.Option(
         None, "--replicas", help="Run the workload through SGLang's router over N HiCache "
@@ -77,7 +80,7 @@ def main_job(
         trace_block_tokens=trace_block_tokens, concurrency=concurrency,
         l1_tokens=l1_tokens or D.l1_tokens,
         fit_l1=l1_tokens is None, l2_tokens=l2_tokens, storage=storage,
-        device=device, model=model, seed=seed, threads=threads, hints=hints)
+        device=device, model=model, seed=seed, threads=threads, hints=hints, hint_trust=hint_trust)
     if replicas is not None:
         _fleet_job(job, replicas, [p.strip() for p in router.split(",") if p.strip()], fmt,
                    cache_threshold, router_args)
@@ -155,7 +158,8 @@ def _print_human(res: dict) -> None:
     tiers = res["config"]["hicache_tiers"]
     rows = [("L1 only", a), (f"HiCache {tiers}", b)]
     if "hicache_hints" in res["runs"]:
-        rows.append((f"HiCache {tiers} + hints", res["runs"]["hicache_hints"]))
+        rows.append((f"HiCache {tiers} + hints ({res['config']['hint_trust']})",
+                     res["runs"]["hicache_hints"]))
     stdout.print(report_table(rows, title=title(res)))
     pct = [f"{100 * (v or 0):.1f}%" for v in (c["hit_rate_l1_only"], c["hit_rate_hicache"])]
     stdout.print(f"HiCache vs L1 only: hit rate {pct[0]} -> {pct[1]}, "
@@ -168,7 +172,9 @@ def _print_human(res: dict) -> None:
                                                  h["hit_rate_hicache"], h["hit_rate_hints"])]
         stdout.print(f"hints vs none: L1 hit rate {pct[0]} -> {pct[1]} (all tiers {pct[2]} -> "
                      f"{pct[3]}), TTFT p50 {_times(h['ttft_p50_ratio'])} lower, p90 "
-                     f"{_times(h['ttft_p90_ratio'])}")
+                     f"{_times(h['ttft_p90_ratio'])}; {h['hints_applied']} of "
+                     f"{h['hints_sent']} hints applied (--hint-trust "
+                     f"{res['config']['hint_trust']})")
 
 
 def register(app: typer.Typer) -> None:

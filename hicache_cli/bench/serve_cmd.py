@@ -36,6 +36,12 @@ class FlushScopeChoice(str, enum.Enum):
     all = "all"
 
 
+class HintTrustChoice(str, enum.Enum):
+    earned = "earned"
+    always = "always"
+    off = "off"
+
+
 class OnOff(str, enum.Enum):
     on = "on"
     off = "off"
@@ -95,6 +101,11 @@ MaxSessions = Annotated[int, _O("--max-sessions", field="max_sessions", min=1, m
                                 help="Client sessions the server keeps open at most "
                                 "(/open_session, session ids, prompt_cache_key; "
                                 "docs/cache-hints.md); opening more is refused.")]
+HintTrust = Annotated[HintTrustChoice, _O(
+    "--hint-trust", field="hint_trust",
+    help="When client cache hints (retentions, session closes) order eviction: earned = "
+    "once a namespace's hints proved right (docs/cache-hints.md), always = from the first "
+    "request (clients you run), off = never (recorded and judged only).")]
 Chunk = Annotated[int, _O("--chunked-prefill-size", field="chunked_prefill_size",
                           help="Prompt tokens prefilled per step.")]
 Eviction = Annotated[PolicyName, _O("--eviction-policy", "--radix-eviction-policy", field="eviction_policy",
@@ -284,7 +295,7 @@ def serve_cmd(
     device: Device = DeviceChoice.auto, model: Model = "tiny", seed: Seed = None,
     threads: Threads = 0, served_model_name: ServedName = None,
     tokenizer_dir: TokenizerDir = None, max_running_requests: MaxRunning = 64,
-    max_sessions: MaxSessions = 4096,
+    max_sessions: MaxSessions = 4096, hint_trust: HintTrust = HintTrustChoice.earned,
     chunked_prefill_size: Chunk = 512, flush_cache_scope: FlushScopeOpt = FlushScopeChoice.cache,
     hicache_model_fingerprint: ModelPrint = None, rank_log_dir: ServeRankLogDir = None,
     inject_divergence: ServeDivergence = None, dump_tree_on_exit: DumpOnExit = None,

@@ -175,7 +175,7 @@ def build_rank(cfg: ServerConfig, topo: Topology, rendezvous: Any = None,
         page_size=cfg.page_size, l1_tokens=l1_tokens, l2_tokens=l2_tokens,
         write_policy=cfg.write_policy, write_through_threshold=cfg.write_through_threshold,
         eviction_policy=cfg.eviction_policy, host_layout=cfg.host_layout, device=device,
-        layout=layout, sidecar=sidecar)
+        layout=layout, sidecar=sidecar, hint_kwargs={"trust_mode": cfg.hint_trust})
     cache = make_cache(cache_cfg, model, cfg, topo, groups)
     apply_to_cache(cache, topo, dv)
     if topo.pp > 1:
