@@ -407,6 +407,50 @@ def test_a_closed_session_is_not_written_back_to_l3(tmp_path):
     assert without["a_turn2_cached"] >= 96, without      # LRU: A written back, read from L3
 
 
+def test_a_closed_sessions_stored_kv_is_the_file_stores_first_to_evict(tmp_path):
+    """KV a session wrote to the file L3 before it closed: the close demotes its objects
+    (their mtime, the store's LRU clock, goes to the epoch), so the store evicts them before
+    older objects of other sessions; another session's objects keep their time."""
+    import glob
+    import os
+
+    rng = np.random.default_rng(3)
+    sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    h = _server(l1_tokens=1024, l2_tokens=2048, page_size=16, hint_trust="always",
+                hicache_storage_backend="file", hicache_storage_dir=str(tmp_path))
+
+    def objects():
+        return {p: os.lstat(p).st_mtime_ns for p in glob.glob(str(tmp_path / "**" / "*"),
+                                                               recursive=True)
+                if os.path.isfile(p) and len(os.path.basename(p)) >= 64}
+
+    try:
+        for sid in ("T", "S"):
+            p = rng.integers(0, 256, 64).tolist()
+            assert _post(h, "/generate", {"input_ids": p, "sampling_params": sp,
+                                          "session_id": sid}).ok
+            _idle(h)
+            deadline = time.monotonic() + 30
+            while _on_sched(h, lambda: h.engine.cache.l3.inflight) or not objects():
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        before = objects()
+        assert _post(h, "/close_session", {"session_id": "S"}).status_code == 200
+        _idle(h)
+        deadline = time.monotonic() + 30
+        while not any(t == 1 for t in objects().values()):
+            assert time.monotonic() < deadline, objects()
+            time.sleep(0.05)
+        after = objects()
+        demoted = {p for p, t in after.items() if t == 1}
+        stats = _on_sched(h, h.engine.cache.hint_stats)
+        assert stats["l3_pages_demoted"] == 4, stats          # S's four 16-token pages
+        assert demoted and len(demoted) < len(after), (len(demoted), len(after))
+        assert all(after[p] == before[p] for p in after.keys() - demoted)   # T's untouched
+    finally:
+        h.stop()
+
+
 @pytest.mark.parametrize("shape", [("--tp", "2"), ("--pp", "2"), ("--cp", "2")],
                          ids=["tp2", "pp2", "cp2"])
 def test_ranks_agree_on_hint_decisions(tmp_path, shape):

@@ -245,3 +245,38 @@ def test_trust_modes_decide_whether_hints_are_applied(mode):
         assert cached(c, b) == 12 and cached(c, a) < 12   # LRU: the oldest went
     with pytest.raises(ValueError, match="hint trust must be one of"):
         make_cache(page_size=P, real=False, hint_kwargs={"trust_mode": "sometimes"}).hint_stats()
+
+
+@pytest.mark.parametrize("trust", ["always", "off"])
+def test_a_closed_sessions_l3_pages_are_the_stores_first_to_evict(trust):
+    """L3 holds six pages: ``b``'s three, then ``a``'s (newer). ``a`` closes; a third session's
+    three pages then push three out of the store. LRU would drop ``b`` (older); with the close
+    applied the store drops ``a``'s demoted pages instead (``off``: LRU's order)."""
+    from engine.cache.l3 import SimulatedTier
+
+    c = make_cache(page_size=P, real=False, l1_pages=3, l2_pages=6,
+                   hint_kwargs={"trust_mode": trust})
+    c.attach_l3(SimulatedTier(capacity_pages=6))
+    a, b, d = toks(0, 3), toks(1000, 3), toks(2000, 3)
+    req(c, b, CacheHint("b", 9.0), t=0.0)
+    req(c, a, CacheHint("a", 9.0), t=1.0)
+    c.wait_all()
+    c.poll()
+
+    def stored(t):                          # (without touching: exists_prefix is a use)
+        return sum(h in c.l3.impl._keys for h in c.l3.hashes(t, None))
+
+    assert stored(a) == stored(b) == 3
+    c.close_session(None, "a")
+    req(c, d, None, t=2.0)
+    c.wait_all()
+    c.poll()
+    assert stored(d) == 3
+    st = c.hint_stats()
+    if trust == "always":
+        assert stored(a) == 0 and stored(b) == 3, st
+        assert st["l3_pages_demoted"] == 3 and c.l3.stats()["pages_demoted"] == 3
+    else:
+        assert stored(b) == 0 and stored(a) == 3, st
+        assert st["l3_pages_demoted"] == 0
+    assert_healthy(c)

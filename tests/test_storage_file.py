@@ -80,6 +80,31 @@ def test_lru_evicts_least_recently_used_down_to_the_watermark(tmp_path):
     b.close()
 
 
+@pytest.mark.parametrize("backend", ["file", "memory"])
+def test_demoted_objects_are_evicted_first_and_a_read_restores_them(tmp_path, backend):
+    """A closed session's objects (``demote``) go before older ones; a read of a demoted
+    object makes it recent again (another reader still wants it)."""
+    if backend == "file":
+        b = open_store(tmp_path, size_limit_bytes=10_000, evict_to=0.9)
+    else:
+        from engine.storage.backends.memory import MemoryBackend
+        from engine.storage.config import MemoryStoreConfig
+
+        b = MemoryBackend(MemoryStoreConfig(size_limit_bytes=10_000))
+    keys = [f"k{i:03d}" for i in range(12)]
+    for k in keys[:10]:
+        raw_put(b, k)
+    assert b.demote([keys[7], keys[8], keys[9], "nope"]) == 3   # the newest three, closed
+    assert b.get([keys[9]], [[bytearray(1000)]]) == [1000]      # k009 is read again
+    raw_put(b, keys[10])
+    raw_put(b, keys[11])
+    gone = [k for k, e in zip(keys, b.exists(keys)) if not e]
+    # (file: 11 000 > 10 000, down to 9 000; memory: one out per put past the limit)
+    assert gone == [keys[7], keys[8]], gone   # not k000, k001: older, but not closed
+    assert b.health().get("demoted", b.counters["demoted"]) == 3
+    b.close()
+
+
 def test_an_object_larger_than_the_limit_is_refused(tmp_path):
     b = open_store(tmp_path, size_limit_bytes=500)
     assert b.put(["big0"], [[bytes(501)]]) == [False]

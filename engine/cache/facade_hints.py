@@ -25,6 +25,7 @@ class HintMethods:
     events: Any
     _t1: Any
     _t2: Any
+    l3: Any
 
     def _push_candidate(self, node: "Node") -> None:  # the host's
         raise NotImplementedError
@@ -48,7 +49,7 @@ class HintMethods:
         """Apply a request's hint to the path ending at ``last`` (engine.cache.hints); one
         ``hint`` event when a hint was given. Returns the nodes hinted."""
         n, on = apply_hint(self._hint_book(), last, as_namespace(namespace), hint,
-                           self._push_candidate)
+                           self._push_candidate, self._demote_closed)
         if hint is not None:
             self.events.emit(EV.HINT, rid=rid, session=None if hint.session is None
                              else str(hint.session), ttl=hint.ttl_s, close=hint.close,
@@ -58,9 +59,15 @@ class HintMethods:
     def close_session(self, namespace: Namespace | str | None, session: str | int) -> int:
         """A client closed ``session``: its private KV goes first. Returns the nodes marked."""
         n = close_session(self._hint_book(), as_namespace(namespace), session,
-                          self._push_candidate)
+                          self._push_candidate, self._demote_closed)
         self.events.emit(EV.SESSION_CLOSE, session=str(session), nodes=n)
         return n
+
+    def _demote_closed(self, nodes: list) -> None:
+        """A closed session's private KV is the L3 store's first to evict as well (its L1
+        and L2 copies are the tiers' first already); the pages asked are counted."""
+        if self.l3 is not None and nodes:
+            self._hint_book().counters["l3_pages_demoted"] += self.l3.demote(nodes)
 
     def hint_stats(self) -> dict[str, Any]:
         return self._hint_book().stats()

@@ -363,7 +363,8 @@ class HintBook:
                 "hints_ignored": c["hints_ignored"], "hints_right": c["hints_right"],
                 "hints_wrong": c["hints_wrong"], "hints_expired": c["hints_expired"],
                 "sessions_closed": c["sessions_closed"], "sessions_dropped": c["sessions_dropped"],
-                "l3_writebacks_skipped": c["l3_writebacks_skipped"]}
+                "l3_writebacks_skipped": c["l3_writebacks_skipped"],
+                "l3_pages_demoted": c["l3_pages_demoted"]}
 
 
 def _wilson_low(right: float, n: float, z: float = 1.0) -> float:
@@ -381,11 +382,14 @@ def hint_key(node: Any) -> tuple:
 
 
 def apply_hint(book: HintBook, last: Any, namespace: Any, hint: CacheHint | None,
-               push: Callable[[Any], None]) -> tuple[int, bool]:
+               push: Callable[[Any], None],
+               on_close: Callable[[list], None] | None = None) -> tuple[int, bool]:
     """After a request of ``hint.session`` that ended at node ``last``: the nodes of its path
     become the session's (or shared, when another session holds them), its declaration is
     judged and recorded, and — when the namespace's hints are trusted — its private nodes get
-    the predicted next use. Returns the nodes hinted and whether the hint was applied."""
+    the predicted next use. ``on_close(nodes)``: called with the nodes a trusted close marked
+    (the cache demotes their L3 copies). Returns the nodes hinted and whether the hint was
+    applied."""
     if hint is None or hint.session is None:
         node = last                        # a request of no session: its path is shared
         while node is not None and node.parent is not None and node.session != SHARED:
@@ -443,6 +447,8 @@ def apply_hint(book: HintBook, last: Any, namespace: Any, hint: CacheHint | None
         book.add_leaf(s, last)             # (a shared end is nobody's branch)
     if close and on:                       # the session's other branches go first too
         marked += _mark_closed(book, s, push)
+        if on_close is not None:
+            on_close(marked)
     elif len(s.leaves) > 1:                # branches this request left: their declaration
         for leaf in s.leaves[:-1]:          # was about this request, which did not use them
             node = leaf
@@ -471,9 +477,11 @@ def _mark_closed(book: HintBook, s: _Session, push: Callable[[Any], None]) -> li
 
 
 def close_session(book: HintBook, namespace: Any, key: Any,
-                  push: Callable[[Any], None]) -> int:
-    """A session is over (without a request): its private nodes go first. Returns the nodes
-    marked (0 for an unknown session, or one whose namespace's hints are not trusted)."""
+                  push: Callable[[Any], None],
+                  on_close: Callable[[list], None] | None = None) -> int:
+    """A session is over (without a request): its private nodes go first (``on_close`` is
+    called with them, as in :func:`apply_hint`). Returns the nodes marked (0 for an unknown
+    session, or one whose namespace's hints are not trusted)."""
     s = book.find(namespace, key)
     if s is None:
         return 0
@@ -481,4 +489,7 @@ def close_session(book: HintBook, namespace: Any, key: Any,
     book.counters["sessions_closed"] += 1
     if not book.trusted(namespace, "close"):
         return 0
-    return len(_mark_closed(book, s, push))
+    marked = _mark_closed(book, s, push)
+    if on_close is not None:
+        on_close(marked)
+    return len(marked)

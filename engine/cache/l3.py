@@ -104,6 +104,14 @@ class SimulatedTier:
             job.result = len(job.hashes)
         job.event.set()
 
+    def demote(self, hashes: Sequence[PageHash]) -> None:
+        """These pages are evicted first (a closed session's); a later use makes them recent."""
+        keys = self._keys
+        for h in hashes:
+            if h in keys:
+                keys.move_to_end(h, last=False)
+                self.counters["pages_demoted"] += 1
+
     def clear(self) -> int:
         n = len(self._keys)
         self._keys.clear()
@@ -144,6 +152,11 @@ class StoreTier:
     def run(self, job: Job) -> None:
         self._q.put(job)
 
+    def demote(self, hashes: Sequence[PageHash]) -> None:
+        """Ask the store to evict these pages first, on the worker, in order with the jobs
+        queued before it; nobody waits."""
+        self._q.put(Job("demote", list(hashes), np.empty(0, dtype=np.int64), None, OpId(0)))
+
     def _worker(self) -> None:
         while True:
             job = self._q.get()
@@ -154,6 +167,9 @@ class StoreTier:
             try:
                 if job.kind == "get":
                     job.result = self.store.get_pages(job.hashes, self.pool, job.pages)
+                elif job.kind == "demote":
+                    demote = getattr(self.store, "demote_pages", None)
+                    job.result = 0 if demote is None else demote(job.hashes)
                 else:
                     job.result = self.store.put_pages(job.hashes, self.pool, job.pages)
             except BaseException as exc:  # surfaced on the scheduler thread at commit
@@ -290,6 +306,19 @@ class L3Tier:
     def close(self) -> None:
         self.wait_all()
         self.impl.close()
+
+    def demote(self, nodes: Sequence[Any]) -> int:
+        """The stored pages of ``nodes`` (a closed session's) are the store's first to evict;
+        returns the pages asked. Soft: a later read or write of them makes them recent."""
+        hashes: list = []
+        for node in nodes:
+            k = int(node.l3 or 0)
+            if k:
+                hashes += self.node_hashes(node)[:k]
+        if hashes:
+            self.impl.demote(hashes)
+            self.counters["pages_demoted"] += len(hashes)
+        return len(hashes)
 
     # -- hashes ------------------------------------------------------------------------------
     def node_hashes(self, node) -> list:

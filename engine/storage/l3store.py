@@ -519,6 +519,17 @@ class L3Store:
                                 deadline_s=min(HEALTH_DEADLINE_S, self.guard.deadline_s))
         return {**self.counters.as_dict(), **self.guard.state(), "backend": health}
 
+    def demote_pages(self, hashes: Sequence[PageHash]) -> int:
+        """Ask the backend to evict these pages' objects first (a closed session's KV: soft,
+        a read makes them recent again). The objects found; 0 when the backend has no
+        eviction order to change (Mooncake's master evicts by its own policy), while degraded
+        or past the deadline."""
+        demote = getattr(self.backend, "demote", None)
+        if demote is None or not hashes:
+            return 0
+        return self.guard.run(f"demote of {len(hashes)} pages", demote, self.keys(hashes),
+                              default=0, lane="query")
+
     def clear(self) -> int:
         """Remove every object of the backend (an operator's "empty the store"); the number
         removed, or -1 when the backend did not answer in time (the store is then degraded)."""

@@ -75,6 +75,7 @@ STORE_FORMAT = "hicache-file-store"
 STORE_VERSION = 1
 QUARANTINE_KEEP = 16
 STALE_TMP_S = 15 * 60
+DEMOTED_NS = 1                     # the mtime of a demoted object: older than any real use
 WARN_EVERY_S = 10.0
 _USAGE = struct.Struct("<8sQQ")
 _USAGE_MAGIC = b"HCUSAGE1"
@@ -450,6 +451,25 @@ class FileBackend:
         finally:
             if puts:
                 self.counters.add("puts", puts)
+
+    def demote(self, keys: Sequence[str]) -> int:
+        """Make these objects the first to be evicted (a closed session's KV): their mtime,
+        the LRU clock, goes to :data:`DEMOTED_NS`. The number found; a read makes an object
+        recent again, whichever process reads it."""
+        n = 0
+        for k in keys:
+            try:
+                os.utime(self.object_path(k), ns=(DEMOTED_NS, DEMOTED_NS),
+                         follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                self._error("demote", self.object_path(k), e)
+                continue
+            n += 1
+        if n:
+            self.counters.add("demoted", n)
+        return n
 
     def delete(self, keys: Sequence[str]) -> int:
         paths = [self.object_path(k) for k in keys]

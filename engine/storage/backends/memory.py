@@ -82,6 +82,19 @@ class MemoryBackend:
         self.counters.add("puts", len(keys))
         return out
 
+    def demote(self, keys: Sequence[str]) -> int:
+        """Make these objects the first to be evicted (a closed session's KV); the number
+        found. They stay readable: a read makes an object recent again."""
+        n = 0
+        with self._lock:
+            for k in keys:
+                if check_key(k) in self._objects:
+                    self._objects.move_to_end(k, last=False)
+                    n += 1
+        if n:
+            self.counters.add("demoted", n)
+        return n
+
     def delete(self, keys: Sequence[str]) -> int:
         n = 0
         with self._lock:
