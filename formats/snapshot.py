@@ -42,8 +42,7 @@ NODE_FIELDS_V1: tuple[str, ...] = (
     "lock_ref", "hit_count", "last_access", "priority", "cp_owner", "inflight",
 )
 NODE_FIELDS: tuple[str, ...] = NODE_FIELDS_V1 + ("session", "hint_until")
-"""Node array columns of the current version, in order (the header repeats them as
-``node_fields``); version 1 has the first 13 (:data:`NODE_FIELDS_V1`)."""
+"""Node array columns in order (the header's ``node_fields``); version 1 has the first 13."""
 
 HEADER_FIELDS_V1 = frozenset({"format", "version", "page_size", "created_at", "model", "rank",
                               "capacity", "node_fields", "meta"})
@@ -147,8 +146,8 @@ class SnapshotWriter:
     def add(self, rec: NodeRecord | tuple) -> None:
         """One node; a 13-field tuple (version 1's fields) has no session and no hint."""
         (nid, parent, tokens, ns, l1, l2, l3, lock, hits, last, prio, cp, infl) = rec[:13]
-        sess, until = (rec[13], rec[14]) if len(rec) > 13 else (None, None)
-        until = hints.check_record(nid, sess, until)
+        sess, until = (rec[13], hints.check_record(nid, *rec[13:15])) if len(rec) > 13 \
+            else (None, None)
         self._f.write(self._pack([
             int(nid), None if parent is None else int(parent), _bytes_of(tokens, "<u4"), ns,
             None if l1 is None else _bytes_of(l1, "<i8"),
@@ -202,9 +201,8 @@ class NodeColumns:
     """Every node as numpy columns, in file order (parents before children).
 
     ``-1`` stands for ``None`` in ``parent``, ``cp_owner`` and the ``l1_len``/``l2_len``
-    columns (not resident), ``NaN`` for ``None`` in ``hint_until``. Ragged values (tokens,
-    page ids) are one flat array each plus offsets: node ``i``'s edge is
-    ``tokens[tok_off[i]:tok_off[i + 1]]``.
+    columns (not resident), ``NaN`` for ``None`` in ``hint_until``. Ragged values (tokens, page
+    ids) are one flat array each plus offsets: node ``i``'s edge is ``tokens[tok_off[i]:…]``.
     """
 
     id: np.ndarray
@@ -248,9 +246,9 @@ class SnapshotData:
         """The nodes as :class:`NodeRecord` values (arrays are views into the columns)."""
         c = self.nodes
         to, o1, o2 = c.tok_off, c.l1_off, c.l2_off
-        codes, untils = c.session_code.tolist(), c.hint_until.tolist()
+        codes = c.session_code.tolist()
+        untils = [None if u != u else u for u in c.hint_until.tolist()]   # NaN: nil
         for i in range(len(c)):
-            until = untils[i]
             yield NodeRecord(
                 int(c.id[i]), None if c.parent[i] < 0 else int(c.parent[i]),
                 c.tokens[to[i]:to[i + 1]], c.namespaces[c.ns_code[i]],
@@ -258,8 +256,7 @@ class SnapshotData:
                 None if c.l2_len[i] < 0 else c.l2_ids[o2[i]:o2[i + 1]],
                 int(c.l3[i]), int(c.lock_ref[i]), int(c.hit_count[i]), int(c.last_access[i]),
                 int(c.priority[i]), None if c.cp_owner[i] < 0 else int(c.cp_owner[i]),
-                int(c.inflight[i]), hints.session_of(codes[i], c.sessions),
-                None if until != until else until)
+                int(c.inflight[i]), hints.session_of(codes[i], c.sessions), untils[i])
 
 
 def _unpacker(f: IO[bytes]) -> msgpack.Unpacker:
@@ -444,8 +441,7 @@ class _Chunk:
 
         try:
             sess = hints.session_column(cols[13]) if len(cols) > 13 else (None,) * len(rows)
-            until = hints.hint_column(cols[14]) if len(cols) > 13 else \
-                np.full(len(rows), np.nan)
+            until = hints.hint_column(cols[14] if len(cols) > 13 else (None,) * len(rows))
         except hints.BadValue as bad:
             raise _err(name, bad.problem, where=f"node #{first + bad.k}") from None
 
@@ -500,8 +496,7 @@ class _Chunk:
             last_access=cat("last_access"), priority=cat("priority"),
             cp_owner=cat("cp_owner"), inflight=cat("inflight"),
             session_code=session_code, sessions=sessions,
-            hint_until=np.concatenate([c["hint_until"] for c in chunks]) if chunks
-            else np.empty(0, dtype=np.float64))
+            hint_until=cat("hint_until").astype(np.float64))
 
 
 # --------------------------------------------------------------------------------- checks
