@@ -18,6 +18,10 @@ def _children(node) -> Iterable:
     return ch.values() if isinstance(ch, dict) else ch
 
 
+SHARED_SESSION = -1
+"""``Node.session`` of a node several sessions touched (engine.cache.hints.SHARED)."""
+
+
 def check_tree(tree: Any, idle: bool = False) -> list[str]:
     """Structural invariants. ``idle``: no request holds a lock (all lock counts are 0)."""
     p = tree.page_size
@@ -66,6 +70,10 @@ def check_tree(tree: Any, idle: bool = False) -> list[str]:
                     out.append(f"locks: node {node.id} has lock count {node.lock_ref}")
                 if idle and node.lock_ref != 0:
                     out.append(f"locks: node {node.id} still locked ({node.lock_ref}) while idle")
+                if getattr(node, "session", None) == SHARED_SESSION and \
+                        getattr(node, "hint_until", None) is not None:
+                    out.append(f"hints: node {node.id} is shared by several sessions but holds "
+                               f"a hint (hints only move a session's private nodes)")
             kids = list(_children(node))
             child_locks = 0
             n_l1 = 0

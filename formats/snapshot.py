@@ -25,7 +25,9 @@ from typing import IO, Any, Iterable, Iterator, NamedTuple
 import msgpack
 import numpy as np
 
+from formats import snapshot_hints as hints
 from formats.errors import FormatError
+from formats.snapshot_hints import MAX_SESSION_KEY_CHARS, SHARED  # noqa: F401  (re-exported)
 
 
 class SnapshotError(FormatError):
@@ -33,17 +35,19 @@ class SnapshotError(FormatError):
 
 
 FORMAT_NAME = "hicache-tree-snapshot"
-VERSION = 1
+VERSION = 2
 
-NODE_FIELDS: tuple[str, ...] = (
+NODE_FIELDS_V1: tuple[str, ...] = (
     "id", "parent", "tokens", "namespace", "l1", "l2", "l3",
     "lock_ref", "hit_count", "last_access", "priority", "cp_owner", "inflight",
 )
-"""Node array columns of version 1, in order (the header repeats them as ``node_fields``)."""
+NODE_FIELDS: tuple[str, ...] = NODE_FIELDS_V1 + ("session", "hint_until")
+"""Node array columns in order (the header's ``node_fields``); version 1 has the first 13."""
 
-HEADER_FIELDS = frozenset({"format", "version", "page_size", "created_at", "model", "rank",
-                           "capacity", "node_fields", "meta"})
-REQUIRED_HEADER_FIELDS = HEADER_FIELDS - {"meta"}
+HEADER_FIELDS_V1 = frozenset({"format", "version", "page_size", "created_at", "model", "rank",
+                              "capacity", "node_fields", "meta"})
+HEADER_FIELDS = HEADER_FIELDS_V1 | {"hint_clock"}
+REQUIRED_HEADER_FIELDS = HEADER_FIELDS_V1 - {"meta"}
 MODEL_FIELDS = frozenset({"name", "layout"})
 TIERS = ("l1", "l2", "l3")
 
@@ -57,6 +61,8 @@ MAX_STR_BYTES = 64 << 10             # namespace, model name, meta strings
 MAX_CREATED_AT = 253402300799        # 9999-12-31 23:59:59 UTC, the last second datetime shows
 MAX_CONTAINER_LEN = 4096             # header maps/lists; a node array has len(NODE_FIELDS)
 _CHUNK = 1 << 16                     # node arrays decoded per columnar conversion
+_FIELDS_OF = {1: NODE_FIELDS_V1, 2: NODE_FIELDS}
+_HEADER_OF = {1: HEADER_FIELDS_V1, 2: HEADER_FIELDS}
 
 
 class NodeRecord(NamedTuple):
@@ -66,7 +72,10 @@ class NodeRecord(NamedTuple):
     that tier, or ``None`` when the node is not resident there; ``l3`` is the number of the
     edge's pages known stored in L3; ``cp_owner`` the owner rank of the first page when
     CP-sharded (page ``k`` is owned by ``(cp_owner + k) % cp_size``); ``inflight`` is a bit set
-    of :data:`INFLIGHT_LOAD` / :data:`INFLIGHT_BACKUP`.
+    of :data:`INFLIGHT_LOAD` / :data:`INFLIGHT_BACKUP`. Client hints (version 2): ``session``
+    is ``None`` (no session), :data:`SHARED` (``True``: several sessions) or the owning
+    session's client key (str or int); ``hint_until`` the predicted next use in hint-clock
+    seconds (``inf``: its session closed) or ``None``.
     """
 
     id: int
@@ -82,12 +91,16 @@ class NodeRecord(NamedTuple):
     priority: int = 0
     cp_owner: int | None = None
     inflight: int = 0
+    session: str | int | bool | None = None
+    hint_until: float | None = None
 
 
 def make_header(page_size: int, *, created_at: float | None = None, model: str | None = None,
                 layout: dict | None = None, rank: dict | None = None,
-                capacity: dict | None = None, meta: dict | None = None) -> dict:
-    """A version-1 header. ``capacity`` maps ``l1``/``l2``/``l3`` to tokens (None: absent)."""
+                capacity: dict | None = None, meta: dict | None = None,
+                hint_clock: float | None = None) -> dict:
+    """A header of the current version. ``capacity`` maps ``l1``/``l2``/``l3`` to tokens
+    (None: absent); ``hint_clock`` is the cache's hint clock in seconds (None: no hints)."""
     cap = {t: None for t in TIERS}
     for k, v in (capacity or {}).items():
         if k not in cap:
@@ -103,6 +116,8 @@ def make_header(page_size: int, *, created_at: float | None = None, model: str |
         "capacity": cap,
         "node_fields": list(NODE_FIELDS),
     }
+    if hint_clock is not None:
+        header["hint_clock"] = float(hint_clock)
     if meta:
         header["meta"] = dict(meta)
     _check_header(header, "<header>")
@@ -129,13 +144,17 @@ class SnapshotWriter:
         self._closed = False
 
     def add(self, rec: NodeRecord | tuple) -> None:
-        (nid, parent, tokens, ns, l1, l2, l3, lock, hits, last, prio, cp, infl) = rec
+        """One node; a 13-field tuple (version 1's fields) has no session and no hint."""
+        (nid, parent, tokens, ns, l1, l2, l3, lock, hits, last, prio, cp, infl) = rec[:13]
+        sess, until = (rec[13], hints.check_record(nid, *rec[13:15])) if len(rec) > 13 \
+            else (None, None)
         self._f.write(self._pack([
             int(nid), None if parent is None else int(parent), _bytes_of(tokens, "<u4"), ns,
             None if l1 is None else _bytes_of(l1, "<i8"),
             None if l2 is None else _bytes_of(l2, "<i8"),
             int(l3), int(lock), int(hits), int(last), int(prio),
             None if cp is None else int(cp), int(infl),
+            sess, until,
         ]))
         self.count += 1
 
@@ -182,8 +201,8 @@ class NodeColumns:
     """Every node as numpy columns, in file order (parents before children).
 
     ``-1`` stands for ``None`` in ``parent``, ``cp_owner`` and the ``l1_len``/``l2_len``
-    columns (not resident). Ragged values (tokens, page ids) are one flat array each plus
-    offsets: node ``i``'s edge is ``tokens[tok_off[i]:tok_off[i + 1]]``.
+    columns (not resident), ``NaN`` for ``None`` in ``hint_until``. Ragged values (tokens, page
+    ids) are one flat array each plus offsets: node ``i``'s edge is ``tokens[tok_off[i]:…]``.
     """
 
     id: np.ndarray
@@ -205,6 +224,9 @@ class NodeColumns:
     priority: np.ndarray
     cp_owner: np.ndarray
     inflight: np.ndarray
+    session_code: np.ndarray      # -1: no session, -2: shared, k >= 0: ``sessions[k]``
+    sessions: list                # the distinct client session keys (str or int)
+    hint_until: np.ndarray        # float64 hint-clock seconds, NaN: no hint, inf: closed
     parent_index: np.ndarray | None = None   # row of the parent (-1 for roots), set on read
 
     def __len__(self) -> int:
@@ -224,6 +246,8 @@ class SnapshotData:
         """The nodes as :class:`NodeRecord` values (arrays are views into the columns)."""
         c = self.nodes
         to, o1, o2 = c.tok_off, c.l1_off, c.l2_off
+        codes = c.session_code.tolist()
+        untils = [None if u != u else u for u in c.hint_until.tolist()]   # NaN: nil
         for i in range(len(c)):
             yield NodeRecord(
                 int(c.id[i]), None if c.parent[i] < 0 else int(c.parent[i]),
@@ -232,7 +256,7 @@ class SnapshotData:
                 None if c.l2_len[i] < 0 else c.l2_ids[o2[i]:o2[i + 1]],
                 int(c.l3[i]), int(c.lock_ref[i]), int(c.hit_count[i]), int(c.last_access[i]),
                 int(c.priority[i]), None if c.cp_owner[i] < 0 else int(c.cp_owner[i]),
-                int(c.inflight[i]))
+                int(c.inflight[i]), hints.session_of(codes[i], c.sessions), untils[i])
 
 
 def _unpacker(f: IO[bytes]) -> msgpack.Unpacker:
@@ -273,7 +297,8 @@ def _read(f: IO[bytes], name: str, max_nodes: int) -> SnapshotData:
     if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
         raise _err(name, f"not a {FORMAT_NAME} (no snapshot header)")
     _check_header(header, name)
-    width = len(NODE_FIELDS)
+    version = header["version"]
+    width = len(_FIELDS_OF[version])
     was_enabled = gc.isenabled()
     gc.disable()  # millions of short-lived tuples: generational GC would dominate the load
     try:
@@ -298,7 +323,7 @@ def _read(f: IO[bytes], name: str, max_nodes: int) -> SnapshotData:
                 where = f"node #{count + len(rows)}"
                 if type(obj) is tuple:
                     raise _err(name, f"{where} has {len(obj)} fields, version "
-                                     f"{VERSION} nodes have {width}")
+                                     f"{version} nodes have {width}")
                 raise _err(name, f"{where} is a {type(obj).__name__}, expected a "
                                  f"node array")
             if trailer is not None:
@@ -400,8 +425,9 @@ class _Chunk:
 
     @staticmethod
     def of(rows: list[tuple], name: str, first: int) -> dict:
+        cols = tuple(zip(*rows))
         (ids, parents, toks, nss, l1s, l2s, l3s, locks, hits, lasts, prios, cps,
-         infls) = zip(*rows)
+         infls) = cols[:13]
         tok_len, tok_bytes = _blobs(toks, name, first, "tokens", 4, False)
         l1_len, l1_bytes = _blobs(l1s, name, first, "l1", 8, True)
         l2_len, l2_bytes = _blobs(l2s, name, first, "l2", 8, True)
@@ -413,6 +439,12 @@ class _Chunk:
         def ints(values: tuple, field: str, nullable: bool = False) -> np.ndarray:
             return _ints(values, name, first, field, nullable)
 
+        try:
+            sess = hints.session_column(cols[13]) if len(cols) > 13 else (None,) * len(rows)
+            until = hints.hint_column(cols[14] if len(cols) > 13 else (None,) * len(rows))
+        except hints.BadValue as bad:
+            raise _err(name, bad.problem, where=f"node #{first + bad.k}") from None
+
         return {
             "id": ints(ids, "id"), "parent": ints(parents, "parent", True),
             "tok_len": tok_len, "tokens": tok_bytes, "ns": nss,
@@ -421,6 +453,7 @@ class _Chunk:
             "hit_count": ints(hits, "hit_count"), "last_access": ints(lasts, "last_access"),
             "priority": ints(prios, "priority"), "cp_owner": ints(cps, "cp_owner", True),
             "inflight": ints(infls, "inflight"),
+            "session": sess, "hint_until": until,
         }
 
     @staticmethod
@@ -449,6 +482,7 @@ class _Chunk:
             else:
                 codes.append(np.fromiter(map(namespaces.__getitem__, c["ns"]), dtype=np.int32,
                                          count=len(c["ns"])))
+        session_code, sessions = hints.session_codes([c["session"] for c in chunks])
         l1_len, l2_len = cat("l1_len"), cat("l2_len")
         tok_len = cat("tok_len")
         return NodeColumns(
@@ -460,7 +494,9 @@ class _Chunk:
             l2_len=l2_len, l2_off=offsets(l2_len), l2_ids=flat("l2_ids", "<i8", np.int64),
             l3=cat("l3"), lock_ref=cat("lock_ref"), hit_count=cat("hit_count"),
             last_access=cat("last_access"), priority=cat("priority"),
-            cp_owner=cat("cp_owner"), inflight=cat("inflight"))
+            cp_owner=cat("cp_owner"), inflight=cat("inflight"),
+            session_code=session_code, sessions=sessions,
+            hint_until=cat("hint_until").astype(np.float64))
 
 
 # --------------------------------------------------------------------------------- checks
@@ -477,7 +513,7 @@ def _check_header(h: dict, name: str) -> None:
                          f"(supports up to {VERSION}); upgrade hicache")
     if v < 1:
         raise _err(name, f"bad snapshot version {v}")
-    unknown = sorted(set(h) - HEADER_FIELDS)
+    unknown = sorted(set(h) - _HEADER_OF[v])
     if unknown:
         raise _err(name, f"unknown header field(s) {unknown} in a version {v} "
                          f"snapshot")
@@ -508,16 +544,19 @@ def _check_header(h: dict, name: str) -> None:
             x is not None and (type(x) is not int or x < 0) for x in cap.values()):
         raise _err(name, f"header capacity must map {list(TIERS)} to token counts "
                          f"or nil")
-    fields = h["node_fields"]
-    if not isinstance(fields, (list, tuple)) or tuple(fields) != NODE_FIELDS:
+    fields, want = h["node_fields"], _FIELDS_OF[v]
+    if not isinstance(fields, (list, tuple)) or tuple(fields) != want:
         got = list(fields) if isinstance(fields, (list, tuple)) else fields
-        extra = [x for x in got if x not in NODE_FIELDS] if isinstance(got, list) else got
-        missing = [x for x in NODE_FIELDS if not isinstance(got, list) or x not in got]
+        extra = [x for x in got if x not in want] if isinstance(got, list) else got
+        missing = [x for x in want if not isinstance(got, list) or x not in got]
         what = (f"unknown node field(s) {extra}" if extra else
                 f"missing node field(s) {missing}" if missing else "node fields out of order")
         raise _err(name, f"{what} for a version {v} snapshot")
     if "meta" in h and not isinstance(h["meta"], dict):
         raise _err(name, "header meta must be a map")
+    problem = hints.clock_problem(h.get("hint_clock"))
+    if problem:
+        raise _err(name, problem)
 
 
 def _check_nodes(c: NodeColumns, name: str) -> np.ndarray:

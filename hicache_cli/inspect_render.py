@@ -4,6 +4,7 @@ The numbers come from :mod:`engine.snapshot.views`; nothing here computes them."
 from __future__ import annotations
 
 import datetime
+import re
 from typing import Any, Callable
 
 from hicache_cli.output import stdout
@@ -43,6 +44,36 @@ def _ns(ns: str | None) -> str:
     if ns is None:
         return "(default namespace)"
     return f"namespace {ns}" if "=" in ns else f"namespace {ns!r}"
+
+
+_PLAIN_KEY = re.compile(r"[A-Za-z_][\w.:@/+-]{0,39}")
+
+
+def _key(key: str | int) -> str:
+    """A client session key: as written when plain (``chat-7``, ``42``), quoted otherwise (so
+    the string ``'42'`` is not the integer 42 and control characters show escaped)."""
+    if type(key) is int or _PLAIN_KEY.fullmatch(str(key)):
+        return str(key)
+    text = repr(key)
+    return text if len(text) <= 42 else text[:40] + "…'"
+
+
+def hint_text(session: Any, hint: dict | None) -> str:
+    """``session chat-7, next use in 12.3 s`` / ``…, closed (first to go)`` / ``shared``; empty
+    for a node no session touched."""
+    if session is None and hint is None:
+        return ""
+    who = ("shared" if session is True else "session (dropped from the cache's book)"
+           if session is None else f"session {_key(session)}")
+    if hint is None:
+        return who
+    if hint["closed"]:
+        return f"{who}, closed (first to go)"
+    if hint["in_s"] is None:
+        return f"{who}, next use at {hint['next_use']:,.1f} s"
+    if hint["in_s"] >= 0:
+        return f"{who}, next use in {hint['in_s']:,.1f} s"
+    return f"{who}, next use was due {-hint['in_s']:,.1f} s ago"
 
 
 def _table(headers: list[str], rows: list[list[Any]], right: set[int]) -> list[str]:
@@ -105,9 +136,35 @@ def render_summary(s: dict) -> None:
                   f"{d['mean_leaf_tokens']:,.1f} tokens mean at leaves"),
         ("fan-out", f"{f['root']} at the root{'s' if ns > 1 else ''}, {f['mean']} mean, "
                     f"{f['max']} max"),
-    ]
+    ] + _hint_lines(s["hints"])
     for k, v in lines:
         _print(f"{k:<10}{v}", markup=True)
+
+
+def _hint_lines(h: dict) -> list[tuple[str, str]]:
+    """The summary's hints block; nothing for a snapshot no session touched."""
+    def part(p: dict) -> str:
+        return f"{_pl(p['nodes'], 'node')}, {_n(p['tokens'])} tokens"
+
+    if not (h["private"]["nodes"] or h["shared"]["nodes"] or h["ttl"]["nodes"]
+            or h["closed"]["nodes"]):
+        return []
+    clock = "" if h["hint_clock"] is None else f" (hint clock {h['hint_clock']:,.1f} s)"
+    lines = [("sessions", f"{h['sessions']:,} owning nodes{clock}"),
+             ("private", part(h["private"]) + " (one session's)"),
+             ("shared", part(h["shared"]) + " (several sessions': hints never move them)")]
+    if h["ttl"]["nodes"]:
+        soon = h["ttl"]["next_use_in_s"]
+        when = "" if soon is None else (f" (next use in {soon[0]:,.1f} s … {soon[1]:,.1f} s)"
+                                        if soon[0] != soon[1] else
+                                        f" (next use in {soon[0]:,.1f} s)")
+        lines.append(("retained", part(h["ttl"]) + when))
+    if h["closed"]["nodes"]:
+        lines.append(("closed", part(h["closed"]) + " (session closed: first to go)"))
+    if h["dropped_session"]["nodes"]:
+        lines.append(("", part(h["dropped_session"]) + " hinted for a session the cache's "
+                          "book dropped"))
+    return lines
 
 
 def _node_label(v: dict) -> str:
@@ -119,6 +176,9 @@ def _node_label(v: dict) -> str:
                   f"{v['tiers']}  hits {v['hits']}")
     if v["lock"]:
         text += f"  [bold yellow]lock {v['lock']}[/]"
+    hint = hint_text(v["session"], v["hint"])
+    if hint:
+        text += "  [cyan]" + escape(hint) + "[/]"
     if sub["nodes"] > 1:
         text += f"  · subtree {_n(sub['nodes'])} nodes {_n(sub['tokens'])} tok"
     return text + "  " + _bars(sub, sub["tokens"])
@@ -182,8 +242,14 @@ def render_hot(hot: list[dict]) -> None:
         return
     rows = [[k + 1, f"#{h['id']}", _n(h["score"]), _n(h["hits"]), _n(h["prefix_len"]),
              h["tiers"], _hot_tokens(h)] for k, h in enumerate(hot)]
-    for line in _table(["#", "node", "score", "hits", "prefix", "tier",
-                        "tokens (prefix start … | node's edge)"], rows, right={0, 2, 3, 4}):
+    heads = ["#", "node", "score", "hits", "prefix", "tier",
+             "tokens (prefix start … | node's edge)"]
+    hints = [hint_text(h["session"], h["hint"]) for h in hot]
+    if any(hints):                            # a column only when some prefix has a session
+        heads.insert(6, "session / hint")
+        for r, text in zip(rows, hints):
+            r.insert(6, text or "-")
+    for line in _table(heads, rows, right={0, 2, 3, 4}):
         _print("  " + line)
 
 
@@ -205,7 +271,13 @@ def render_prefix(m: dict, page_size: int) -> None:
     rows = [[f"#{s['id']}", f"{_n(s['matched'])}/{_n(s['edge'])}",
              f"{s['hit']} {_n(s['hit_tokens'])}" if s["hit_tokens"] else "-", s["resident"]]
             for s in m["path"]]
-    for k, line in enumerate(_table(["node", "matched", "hit", "resident"], rows, right={1})):
+    heads = ["node", "matched", "hit", "resident"]
+    hints = [hint_text(s["session"], s["hint"]) for s in m["path"]]
+    if any(hints):
+        heads.append("session / hint")
+        for r, text in zip(rows, hints):
+            r.append(text or "-")
+    for k, line in enumerate(_table(heads, rows, right={1})):
         _print(("path      " if k == 0 else "          ") + line)
 
 
@@ -281,7 +353,9 @@ def render_dot(top: list[dict], name: str) -> str:
         for c in v["children"]:
             ck = f"n{c['id']}"
             first = c["tiers"].split("+")[0].split(" ")[0]
+            hint = hint_text(c["session"], c["hint"])
             label = (f"#{c['id']}  {c['tokens']} tok\n{c['tiers']}  hits {c['hits']}"
+                     + (f"\n{hint}" if hint else "")
                      + (f"\nsubtree {c['subtree']['nodes']} nodes {c['subtree']['tokens']} tok"
                         if c["subtree"]["nodes"] > 1 else ""))
             node_line(ck, label, _DOT_FILL.get(first, "#ffffff"),

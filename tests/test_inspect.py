@@ -18,7 +18,7 @@ from tests.test_snapshot import BAD, small_records, t, write_small
 runner = CliRunner()
 
 HEAD = """\
-snapshot  small.snapshot  (v1, page size 4, rank 0/2 (cp 0/2), 2023-11-14 22:13:20 UTC)
+snapshot  small.snapshot  (v2, page size 4, rank 0/2 (cp 0/2), 2023-11-14 22:13:20 UTC)
 model     tiny
 """
 

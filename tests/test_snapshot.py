@@ -200,7 +200,7 @@ def _raw(objs) -> bytes:
 
 
 def _node(i, parent, toks=b"", **kw):
-    rec = [i, parent, toks, None, None, None, 0, 0, 0, 0, 0, None, 0]
+    rec = [i, parent, toks, None, None, None, 0, 0, 0, 0, 0, None, 0, None, None]
     for k, v in kw.items():
         rec[fmt.NODE_FIELDS.index(k)] = v
     return rec
@@ -228,7 +228,7 @@ BAD = {
     "truncated before the end": (_raw(GOOD[:-1]), "truncated snapshot (no end marker; 2 "
                                                   "complete nodes read)"),
     "truncated header": (BLOB[:30], "truncated snapshot (incomplete header)"),
-    "newer version": (_raw([_header(version=2)] + GOOD[1:]), "version 2 is newer"),
+    "newer version": (_raw([_header(version=3)] + GOOD[1:]), "version 3 is newer"),
     "unknown header field": (_raw([_header(colour="red")] + GOOD[1:]),
                              "unknown header field(s) ['colour']"),
     "missing header field": (_raw([{k: v for k, v in _header().items() if k != "capacity"}]
@@ -236,7 +236,7 @@ BAD = {
     "unknown node field": (_raw([_header(node_fields=list(fmt.NODE_FIELDS) + ["colour"])]
                                 + GOOD[1:]), "unknown node field(s) ['colour']"),
     "node with an extra field": (_raw(GOOD[:2] + [_node(1, 0) + ["x"]] + GOOD[3:]),
-                                 "node #1 has 14 fields"),
+                                 "node #1 has 16 fields"),
     "tokens as text": (_raw(GOOD[:2] + [_node(1, 0, "abcd")] + GOOD[3:]),
                        "'tokens' must be raw bytes"),
     "ragged tokens": (_raw(GOOD[:2] + [_node(1, 0, b"abcde")] + GOOD[3:]),

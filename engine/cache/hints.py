@@ -203,6 +203,12 @@ class HintBook:
     def find(self, namespace: Any, key: Any) -> _Session | None:
         return self._sessions.get((namespace, key))
 
+    def key_of(self, sid: int) -> Any:
+        """The client's key of session number ``sid`` (``Node.session``); None when the
+        bounded book has dropped that session (or never had it)."""
+        s = self._by_sid.get(sid)
+        return None if s is None else s.key
+
     def on_remove(self, node: Any) -> None:
         """A node left the tree: a session branch that ended there now ends at its parent
         (so a later close still finds the session's remaining blocks)."""

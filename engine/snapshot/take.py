@@ -24,15 +24,17 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
+from engine.cache.hints import SHARED
 from engine.cache.radix_tree import TOKEN_DTYPE, Node, RadixTree
 from engine.core.errors import InputError
 from engine.core.namespace import text_of
 from formats import snapshot as fmt
+from formats import snapshot_hints as fmt_hints
 from formats.errors import FormatError
 
 TIER_NAMES = ("L1", "L2", "L3")
 _BITS = {"L1": 1, "L2": 2, "L3": 4}
-META_KEYS = ("model", "layout", "rank", "capacity", "created_at")
+META_KEYS = ("model", "layout", "rank", "capacity", "created_at", "hint_clock")
 """Keys of ``meta`` that fill header fields; every other key goes to the header's ``meta``."""
 
 
@@ -75,9 +77,12 @@ def _header_for(obj: Any, tree: Any, meta: Mapping[str, Any] | None) -> dict:
     if cfg is not None:
         for key in ("write_policy", "eviction_policy", "host_layout", "device"):
             meta.setdefault(key, str(getattr(cfg, key)))
+    book = getattr(obj, "hints", None)
     return fmt.make_header(tree.page_size, created_at=meta.pop("created_at", None),
                            model=meta.pop("model", None), layout=layout, rank=rank,
-                           capacity=capacity, meta=meta)
+                           capacity=capacity, meta=meta,
+                           hint_clock=meta.pop("hint_clock", None if book is None
+                                               else book.now))
 
 
 def _inflight(node: Any) -> int:
@@ -90,15 +95,30 @@ def _inflight(node: Any) -> int:
     return bits
 
 
+def _session_of(node: Any, book: Any) -> Any:
+    """A node's ``session`` as the file writes it: None (no session), True (shared), or the
+    owning session's client key — None when the cache's bounded session book has dropped that
+    session (the node's ``hint_until`` is still written: it still orders eviction)."""
+    sid = getattr(node, "session", None)
+    if sid is None:
+        return None
+    if sid == SHARED:
+        return fmt.SHARED
+    return None if book is None else book.key_of(sid)
+
+
 def snapshot_of(cache_or_tree: Any, meta: Mapping[str, Any] | None = None) -> TreeSnapshot:
     """Copy the tree of a :class:`~engine.cache.facade.HiCache` (or a radix tree) into records.
 
     ``meta``: ``model`` (name), ``layout`` (KVLayout or dict), ``rank`` (RankInfo or dict),
-    ``capacity`` ({"l1"/"l2"/"l3": tokens}), ``created_at`` (unix seconds) override what is
-    derived from the cache; any other key (e.g. ``source``) is kept in the header's ``meta``.
+    ``capacity`` ({"l1"/"l2"/"l3": tokens}), ``created_at`` (unix seconds), ``hint_clock``
+    (seconds) override what is derived from the cache; any other key (e.g. ``source``) is kept
+    in the header's ``meta``. Each node's client session and hint come from the cache's hint
+    book (a bare tree has no book: sessions other than shared are written as nil).
     """
     tree = _tree_of(cache_or_tree)
     header = _header_for(cache_or_tree, tree, meta)
+    book = getattr(cache_or_tree, "hints", None)
 
     def raw(arr: Any, dtype: str) -> bytes | None:
         return None if arr is None else np.ascontiguousarray(arr, dtype=dtype).tobytes()
@@ -113,7 +133,8 @@ def snapshot_of(cache_or_tree: Any, meta: Mapping[str, Any] | None = None) -> Tr
             n.id, None if n.parent is None else n.parent.id, raw(n.tokens, "<u4"),
             text_of(n.namespace), raw(n.l1, "<i8"), raw(n.l2, "<i8"), int(n.l3 or 0), n.lock_ref,
             n.hit_count, n.last_access, getattr(n, "priority", 0),
-            None if n.cp_owner is None else int(n.cp_owner), _inflight(n)))
+            None if n.cp_owner is None else int(n.cp_owner), _inflight(n),
+            _session_of(n, book), getattr(n, "hint_until", None)))
         kids = n.children.values() if isinstance(n.children, dict) else n.children
         stack.extend(reversed(list(kids)))
     return TreeSnapshot(header, nodes)
@@ -164,9 +185,12 @@ def load_snapshot(path: str | os.PathLike) -> "SnapshotTree":
 
 
 class SnapshotNode(Node):
-    """A node of a loaded snapshot: the live node's attributes plus the in-flight bits."""
+    """A node of a loaded snapshot: the live node's attributes plus the in-flight bits and the
+    client's session key. ``session`` is as in the live tree — None, ``hints.SHARED``, or a
+    session number (here: the key's index in the file, so equal numbers mean one session);
+    ``hint_until`` as written; ``hint_expiry`` is not in the file (inf)."""
 
-    __slots__ = ("inflight",)
+    __slots__ = ("inflight", "session_key")
 
 
 def _ancestor_sum(parent: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -214,9 +238,9 @@ class SnapshotTree:
         cols = (c.id.tolist(), self.parent.tolist(), c.ns_code.tolist(), l1_len.tolist(),
                 l2_len.tolist(), c.l3.tolist(), c.lock_ref.tolist(), c.hit_count.tolist(),
                 c.last_access.tolist(), c.priority.tolist(), c.cp_owner.tolist(),
-                c.inflight.tolist())
+                c.inflight.tolist(), c.session_code.tolist(), c.hint_until.tolist())
         names = c.namespaces
-        for i, (nid, par, ns, n1, n2, l3, lock, hits, last, prio, cp, infl) in \
+        for i, (nid, par, ns, n1, n2, l3, lock, hits, last, prio, cp, infl, sc, until) in \
                 enumerate(zip(*cols)):
             parent = nodes[par] if par >= 0 else None
             node = SnapshotNode(nid, parent, toks[to[i]:to[i + 1]], names[ns])
@@ -227,6 +251,9 @@ class SnapshotTree:
             node.l3, node.lock_ref, node.hit_count = l3, lock, hits
             node.last_access, node.priority, node.inflight = last, prio, infl
             node.cp_owner = cp if cp >= 0 else None
+            node.session = sc if sc >= 0 else SHARED if sc == fmt_hints.SHARED_CODE else None
+            node.session_key = fmt_hints.session_of(sc, c.sessions)
+            node.hint_until = None if until != until else until
             if parent is None:
                 tree.roots[node.namespace] = node
             else:

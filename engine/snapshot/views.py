@@ -15,6 +15,7 @@ from engine.core.errors import InputError
 from engine.core.namespace import parse_text, text_of
 from engine.snapshot.take import TIER_NAMES, SnapshotTree, tiers_label
 from formats import snapshot as fmt
+from formats import snapshot_hints as fmt_hints
 
 
 def info(snap: SnapshotTree) -> dict:
@@ -22,7 +23,49 @@ def info(snap: SnapshotTree) -> dict:
     return {"file": snap.path, "format": h["format"], "version": h["version"],
             "page_size": snap.page_size, "created_at": snap.created_at,
             "model": h["model"], "rank": snap.rank, "capacity": snap.capacity,
-            "meta": h.get("meta", {})}
+            "hint_clock": h.get("hint_clock"), "meta": h.get("meta", {})}
+
+
+def hint_of(until: float, clock: float | None) -> dict | None:
+    """A node's client hint as the views show it: None (no hint), or whether its session
+    closed (first to go), its predicted next use on the hint clock and how far that is from the
+    snapshot's hint clock (negative: past; None without a clock)."""
+    if until != until:
+        return None
+    if until == float("inf"):
+        return {"closed": True, "next_use": None, "in_s": None}
+    return {"closed": False, "next_use": round(until, 3),
+            "in_s": None if clock is None else round(until - clock, 3)}
+
+
+def _hints_of(snap: SnapshotTree, i: int) -> dict:
+    """``session``: None, True (shared by several sessions) or the client's session key."""
+    c = snap.cols
+    return {"session": fmt_hints.session_of(int(c.session_code[i]), c.sessions),
+            "hint": hint_of(float(c.hint_until[i]), snap.header.get("hint_clock"))}
+
+
+def hints_summary(snap: SnapshotTree) -> dict:
+    """Nodes and tokens private to a session, shared, under a retention hint, closed; the
+    sessions owning nodes; the snapshot's hint clock."""
+    c, nonroot = snap.cols, ~snap.is_root
+    code, until = c.session_code, c.hint_until
+    hinted = nonroot & ~np.isnan(until)
+    closed = hinted & np.isinf(until)
+    ttl = hinted & ~closed
+    private = nonroot & (code >= 0)
+
+    def part(mask: np.ndarray) -> dict:
+        return {"nodes": int(np.count_nonzero(mask)), "tokens": int(snap.n_tok[mask].sum())}
+
+    clock = snap.header.get("hint_clock")
+    soon = until[ttl] - (clock or 0.0)
+    return {"hint_clock": clock, "sessions": int(np.unique(code[private]).size),
+            "private": part(private), "shared": part(nonroot & (code == fmt_hints.SHARED_CODE)),
+            "ttl": {**part(ttl), "next_use_in_s": None if clock is None or not soon.size
+                    else [round(float(soon.min()), 3), round(float(soon.max()), 3)]},
+            "closed": part(closed),
+            "dropped_session": part(hinted & (code == fmt_hints.NO_SESSION))}
 
 
 def summary(snap: SnapshotTree) -> dict:
@@ -59,6 +102,7 @@ def summary(snap: SnapshotTree) -> dict:
                    "mean": round(float(kids[internal].mean()), 2) if internal.any()
                    else 0.0,
                    "max": int(kids.max()) if len(c) else 0},
+        "hints": hints_summary(snap),
     }
 
 
@@ -68,7 +112,7 @@ def _node_view(snap: SnapshotTree, i: int, preview: int) -> dict:
     return {"id": int(c.id[i]), "tokens": int(snap.n_tok[i]),
             "preview": snap.edge(i)[:preview].tolist(),
             "prefix_len": int(snap.prefix_len[i]), "tiers": snap.tier_label(i),
-            "hits": int(c.hit_count[i]), "lock": int(c.lock_ref[i]),
+            "hits": int(c.hit_count[i]), "lock": int(c.lock_ref[i]), **_hints_of(snap, i),
             "subtree": {"nodes": int(sub[0]), "tokens": int(sub[1]),
                         "L1": int(sub[2]), "L2": int(sub[3]), "L3": int(sub[4])}}
 
@@ -124,7 +168,7 @@ def hot(snap: SnapshotTree, n: int = 10, preview: int = 4) -> list[dict]:
                     "depth": int(snap.depth[i]),
                     "tokens": int(snap.n_tok[i]),
                     "preview": snap.prefix(i)[:preview].tolist(),
-                    "edge_preview": snap.edge(i)[:preview].tolist()})
+                    "edge_preview": snap.edge(i)[:preview].tolist(), **_hints_of(snap, i)})
     return out
 
 
@@ -173,7 +217,10 @@ def match(snap: SnapshotTree, tokens: np.ndarray, namespace: str | None = None) 
         steps.append({"id": node.id, "matched": int(take), "edge": len(node.tokens),
                       "hit": tier or "-", "hit_tokens": int(got),
                       "resident": tiers_label((node.l1 is not None) | (node.l2 is not None)
-                                              << 1 | bool(node.l3) << 2)})
+                                              << 1 | bool(node.l3) << 2),
+                      "session": getattr(node, "session_key", None),
+                      "hint": hint_of(float("nan") if node.hint_until is None
+                                      else node.hint_until, snap.header.get("hint_clock"))})
         pos += take
     aligned = len(toks) - len(toks) % p
     hit = lens["L1"] + lens["L2"] + lens["L3"]
