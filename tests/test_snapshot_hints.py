@@ -352,15 +352,17 @@ def test_bench_replay_dump_tree_with_hints(tmp_path, monkeypatch):
     assert "session" not in run("plain.snapshot").stdout
 
 
-def test_server_dump_tree_carries_the_sessions(tmp_path):
+@pytest.mark.parametrize("trust", ["earned", "always"])
+def test_server_dump_tree_carries_the_sessions(tmp_path, trust):
     """``POST /dump_tree`` of a server that got session hints: the sessions' keys are in the
-    snapshot (their retention is not trusted yet, so no deadline) and the hint clock is set."""
+    snapshot and the hint clock is set; a deadline only where the server applied the
+    retentions (``--hint-trust always``; ``earned``: nothing proved right yet, none)."""
     from tests.test_cache_hints_api import _post, _server
 
     rng = np.random.default_rng(3)
     system = rng.integers(0, 256, 32).tolist()
     sp = {"max_new_tokens": 2, "temperature": 0}
-    h = _server(page_size=16)
+    h = _server(page_size=16, hint_trust=trust)
     try:
         for key, tail in (("chat-7", 1), ("other", 2)):
             body = {"input_ids": system + [tail] * 32, "sampling_params": sp,
@@ -376,11 +378,18 @@ def test_server_dump_tree_carries_the_sessions(tmp_path):
     assert doc["snapshot"]["hint_clock"] is not None
     hs = doc["summary"]["hints"]
     assert hs["sessions"] == 2 and hs["shared"]["nodes"] >= 1, hs
-    assert hs["ttl"]["nodes"] == hs["closed"]["nodes"] == 0, hs      # nothing trusted yet
-    keys = set()
+    assert hs["closed"]["nodes"] == 0, hs
+    keys, hinted = set(), {}
     stack = list(doc["tree"])
     while stack:
         v = stack.pop()
         keys.add(v["session"])
+        if v["hint"] is not None:
+            hinted[v["session"]] = v["hint"]
         stack += v["children"]
     assert {"chat-7", "other", True} <= keys
+    if trust == "earned":
+        assert hs["ttl"]["nodes"] == 0 and not hinted, hs      # nothing trusted yet
+    else:                                  # each session's own 32 tokens: next use in ~30 s
+        assert hs["ttl"]["nodes"] >= 2 and set(hinted) == {"chat-7", "other"}, hs
+        assert all(not x["closed"] and 25 < x["in_s"] <= 30 for x in hinted.values()), hinted
