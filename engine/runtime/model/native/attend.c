@@ -10,7 +10,8 @@
  *   o[dv] = fma chain over t = 0 .. pos[m] in order of p[t] * v[t][dv], from 0.
  * Nothing of it depends on the other rows, on how many keys the chunk needs, on the blocking or
  * on the thread count: batch invariant by construction. Rows of one kv-head (its group of query
- * heads, every query) are taken 8 at a time. The keys are transposed once per call into
+ * heads, every query) are taken 8 at a time. The keys are transposed once per call (16 x 16
+ * blocks in registers, into a buffer the calling thread keeps) into
  * blocks of 16 (a key per vector lane), read by every row block; each value row is read once
  * per 4 rows. No score tensor of the whole chunk.
  */
@@ -248,7 +249,50 @@ static int64_t max_visible(const struct task_args *a)
     return mx;
 }
 
-/* phase 1: key blocks (h, b) with (h * nblk + b) % threads == id, transposed */
+/* 16 rows of 16 floats (row j at src + j * ld) to dst[c * 16 + j]: dst row c holds column c of
+ * the rows. Rows past `rows` read as zero. Plain copies: the bits are the keys' own. */
+#if defined(__AVX512F__)
+static void transpose16(const float *const *src, int64_t rows, float *dst)
+{
+    __m512 r[16], t[16];
+    for (int j = 0; j < 16; j++)
+        r[j] = j < rows ? _mm512_loadu_ps(src[j]) : _mm512_setzero_ps();
+    /* stage 1: interleave pairs of rows (32-bit) */
+    for (int j = 0; j < 16; j += 2) {
+        t[j] = _mm512_unpacklo_ps(r[j], r[j + 1]);
+        t[j + 1] = _mm512_unpackhi_ps(r[j], r[j + 1]);
+    }
+    /* stage 2: pairs of pairs (64-bit) */
+    for (int j = 0; j < 16; j += 4) {
+        r[j] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[j]),
+                                                   _mm512_castps_pd(t[j + 2])));
+        r[j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[j]),
+                                                       _mm512_castps_pd(t[j + 2])));
+        r[j + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[j + 1]),
+                                                       _mm512_castps_pd(t[j + 3])));
+        r[j + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[j + 1]),
+                                                       _mm512_castps_pd(t[j + 3])));
+    }
+    /* stages 3 and 4: 128-bit lanes across groups of four rows, then of eight */
+    for (int j = 0; j < 4; j++) {
+        t[j] = _mm512_shuffle_f32x4(r[j], r[j + 4], 0x88);
+        t[j + 4] = _mm512_shuffle_f32x4(r[j], r[j + 4], 0xDD);
+        t[j + 8] = _mm512_shuffle_f32x4(r[j + 8], r[j + 12], 0x88);
+        t[j + 12] = _mm512_shuffle_f32x4(r[j + 8], r[j + 12], 0xDD);
+    }
+    for (int j = 0; j < 4; j++) {
+        r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xDD);
+        r[j + 4] = _mm512_shuffle_f32x4(t[j + 4], t[j + 12], 0x88);
+        r[j + 12] = _mm512_shuffle_f32x4(t[j + 4], t[j + 12], 0xDD);
+    }
+    /* r[c] now holds column c of the block */
+    for (int c = 0; c < 16; c++)
+        _mm512_storeu_ps(dst + c * 16, r[c]);
+}
+#endif
+
+/* phase 1: key blocks (h, b) taken from a shared counter, transposed */
 static void *transpose(void *arg)
 {
     struct worker *w = (struct worker *)arg;
@@ -260,17 +304,24 @@ static void *transpose(void *arg)
             break;
         int64_t h = i / a->nblk, t0 = (i % a->nblk) * 16;
         float *dst = a->kt + i * D * 16;
+        int64_t rows = T - t0 < 16 ? T - t0 : 16;
+        const float *kr[16];
         for (int64_t j = 0; j < 16; j++) {
-            if (t0 + j >= T) {
-                for (int64_t d = 0; d < D; d++)
-                    dst[d * 16 + j] = 0.0f;
-                continue;
-            }
-            int64_t t = t0 + j;
-            const float *kr = a->k + (a->slots ? a->slots[t] : t) * a->ldk + h * D;
-            for (int64_t d = 0; d < D; d++)
-                dst[d * 16 + j] = kr[d];
+            int64_t t = t0 + (j < rows ? j : 0);
+            kr[j] = a->k + (a->slots ? a->slots[t] : t) * a->ldk + h * D;
         }
+        int64_t d = 0;
+#if defined(__AVX512F__)
+        for (; d + 16 <= D; d += 16) {
+            const float *src[16];
+            for (int j = 0; j < 16; j++)
+                src[j] = kr[j] + d;
+            transpose16(src, rows, dst + d * 16);
+        }
+#endif
+        for (; d < D; d++)
+            for (int64_t j = 0; j < 16; j++)
+                dst[d * 16 + j] = j < rows ? kr[j][d] : 0.0f;
     }
     return 0;
 }
@@ -315,9 +366,21 @@ int hicache_attend(const float *q, const float *k, int64_t ldk, const float *v, 
         threads = (int32_t)a.tasks;
     a.threads = threads;
     a.nblk = (max_visible(&a) + 15) / 16;
-    a.kt = (float *)malloc(sizeof(float) * (size_t)(Hkv * a.nblk * D * 16));
-    if (!a.kt)
-        return -1;
+    /* the transposed keys: one buffer per calling thread, grown when needed and kept (a fresh
+     * one each call cost more in page faults than the transposition itself) */
+    static __thread float *kt_buf;
+    static __thread size_t kt_cap;
+    size_t need = (size_t)(Hkv * a.nblk * D * 16);
+    if (need > kt_cap) {
+        free(kt_buf);
+        kt_cap = need + need / 4;
+        kt_buf = (float *)malloc(sizeof(float) * kt_cap);
+        if (!kt_buf) {
+            kt_cap = 0;
+            return -1;
+        }
+    }
+    a.kt = kt_buf;
     struct worker ws[MAX_THREADS];
     pthread_t tid[MAX_THREADS];
     int started[MAX_THREADS];
@@ -341,6 +404,5 @@ int hicache_attend(const float *q, const float *k, int64_t ldk, const float *v, 
             err |= ws[t].err;             /* one not started: the others took its items */
         }
     }
-    free(a.kt);
     return err ? -1 : 0;
 }
