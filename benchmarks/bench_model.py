@@ -35,6 +35,7 @@ the best of ``--repeat`` rounds (a loaded machine only makes a run slower). Thre
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -49,11 +50,11 @@ PS = 16
 
 
 # --------------------------------------------------------------------------- machine limits
-def gemm_gflops(n: int = 2048, repeat: int = 5) -> float:
+def gemm_gflops(n: int = 2048, repeat: int = 5, dtype: str = "float32") -> float:
     import torch
 
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    c = torch.empty(n, n)
+    a, b = torch.randn(n, n).to(getattr(torch, dtype)), torch.randn(n, n).to(getattr(torch, dtype))
+    c = torch.empty(n, n, dtype=a.dtype)
     torch.mm(a, b, out=c)
     best = float("inf")
     for _ in range(repeat):
@@ -87,9 +88,10 @@ def model_costs(cfg) -> dict:
             "kv_bytes_per_ctx": 2 * kv * 4 * L}
 
 
-def limits(costs: dict, gflops: float, gbps: float, n: int) -> dict:
+def limits(costs: dict, gflops: float, gbps: float, n: int, weight_bytes: int = 4) -> dict:
+    """``weight_bytes``: 4 (float32 products), 2 (bf16: the decode limit reads half)."""
     prefill_flops = 2 * costs["layer_params"] + costs["attn_flops_per_ctx"] * n / 2
-    decode_bytes = 4 * (costs["layer_params"] + costs["head_params"]) + \
+    decode_bytes = weight_bytes * (costs["layer_params"] + costs["head_params"]) + \
         costs["kv_bytes_per_ctx"] * n
     return {"prefill_tok_s": gflops * 1e9 / prefill_flops,
             "decode_tok_s": gbps * 1e9 / decode_bytes}
@@ -192,6 +194,13 @@ def report(a) -> None:
     threads = torch.get_num_threads()
     model = load_model(a.model, "cpu", exact=True)
     cfg = model.cfg
+    from engine.runtime.model import Model, native_gemm
+
+    bf_why = "" if native_gemm.bf16_available() else native_gemm._state.get("bf16_what", "")
+    if a.no_bf16:
+        bf_why = "--no-bf16"
+    bf_model = None if bf_why else Model(dataclasses.replace(cfg, gemm_dtype="bfloat16"),
+                                         model.w, exact=True)
     lens = [int(x) for x in a.prompts.split(",")]
     if max(lens) + a.decode + 1 > cfg.max_context:
         sys.exit(f"bench_model: prompts + decode exceed the model's context {cfg.max_context}")
@@ -214,15 +223,18 @@ def report(a) -> None:
             "prompts": {k: v.tolist() for k, v in prompts.items()}}
     load0 = os.getloadavg()[0]
     gflops = gemm_gflops()
+    gflops_bf16 = gemm_gflops(dtype="bfloat16") if bf_model is not None else 0.0
     gbps = read_gbps()
     costs = model_costs(cfg)
     hc = {k: {"prefill_s": float("inf"), "decode_s": float("inf")} for k in prompts}
     tk = {k: {"prefill_s": float("inf"), "decode_s": float("inf")} for k in prompts}
     tk_tokens: dict = {}
     hf = {k: {"prefill_s": float("inf"), "decode_s": float("inf")} for k in prompts}
-    hc_tokens, hf_tokens, hf_meta = {}, {}, {}
+    bf = {k: {"prefill_s": float("inf"), "decode_s": float("inf")} for k in prompts}
+    hc_tokens, hf_tokens, hf_meta, bf_tokens = {}, {}, {}, {}
     hicache_run(model, prompts[str(lens[0])][:64], a.chunk, 1)      # warm-up: first-call checks
-    sides = ["hicache", "hf"] + ([] if a.no_torch_kernels else ["torch"])
+    sides = ["hicache", "hf"] + ([] if a.no_torch_kernels else ["torch"]) + \
+        ([] if bf_model is None else ["bf16"])
     for r in range(a.repeat):
         order = sides if r % 2 == 0 else sides[::-1]
         for side in order:
@@ -236,6 +248,12 @@ def report(a) -> None:
                             tk[k][f] = min(tk[k][f], got[f])
                 finally:
                     os.environ.pop("HICACHE_EXACT_NATIVE", None)
+            elif side == "bf16":                 # the exact path, bf16 products
+                for k, toks in prompts.items():
+                    got = hicache_run(bf_model, toks, a.chunk, a.decode)
+                    bf_tokens[k] = got["tokens"]
+                    for f in ("prefill_s", "decode_s"):
+                        bf[k][f] = min(bf[k][f], got[f])
             elif side == "hicache":
                 for k, toks in prompts.items():
                     got = hicache_run(model, toks, a.chunk, a.decode)
@@ -264,6 +282,15 @@ def report(a) -> None:
             row["torch_kernels_decode_tok_s"] = a.decode / tk[k]["decode_s"] if a.decode \
                 else None
             row["torch_kernels_same_tokens"] = tk_tokens[k] == hc_tokens[k]
+        if bf_model is not None:
+            blim = limits(costs, gflops_bf16, gbps, n, weight_bytes=2)
+            row["bf16_prefill_tok_s"] = n / bf[k]["prefill_s"]
+            row["bf16_decode_tok_s"] = a.decode / bf[k]["decode_s"] if a.decode else None
+            row["bf16_limit_prefill_tok_s"] = blim["prefill_tok_s"]
+            row["bf16_limit_decode_tok_s"] = blim["decode_tok_s"]
+            row["bf16_same_tokens_as_fp32"] = bf_tokens[k] == hc_tokens[k]
+            if use_hf:
+                row["bf16_greedy_tokens_equal_hf"] = bf_tokens[k] == hf_tokens[k]
         if use_hf:
             row["hf_prefill_tok_s"] = n / hf[k]["prefill_s"]
             row["hf_decode_tok_s"] = a.decode / hf[k]["decode_s"] if a.decode else None
@@ -274,14 +301,18 @@ def report(a) -> None:
         rows.append(row)
     out = {"model": cfg.name, "threads": threads, "chunk": a.chunk, "decode_steps": a.decode,
            "repeat": a.repeat, "load_average": [round(load0, 2), round(load1, 2)],
-           "gemm_gflops_fp32": round(gflops, 1), "read_gb_s": round(gbps, 2),
+           "gemm_gflops_fp32": round(gflops, 1), "gemm_gflops_bf16": round(gflops_bf16, 1),
+           "read_gb_s": round(gbps, 2), "bf16": "run" if bf_model is not None else
+           f"skipped: {bf_why}",
            "transformers": hf_meta if use_hf else f"skipped: {hf_why}", "rows": rows}
     if a.json:
         print(json.dumps(out, indent=2))
         return
     print(f"{cfg.name}: {threads} threads, load average {load0:.2f} -> {load1:.2f}, best of "
           f"{a.repeat} interleaved rounds; hicache exact path, {a.chunk}-token prefill chunks")
-    print(f"machine: fp32 GEMM {gflops:.0f} GFLOP/s (2048^3), read bandwidth {gbps:.1f} GB/s")
+    print(f"machine: fp32 GEMM {gflops:.0f} GFLOP/s (2048^3)"
+          + (f", bf16 GEMM {gflops_bf16:.0f} GFLOP/s" if gflops_bf16 else "")
+          + f", read bandwidth {gbps:.1f} GB/s")
     print("transformers: " + (f"{hf_meta['version']} ({hf_meta['threads']} threads), same GGUF "
                               "weights in float32, SDPA" if use_hf else f"skipped ({hf_why})"))
     for row in rows:
@@ -307,6 +338,27 @@ def report(a) -> None:
                 td = row["torch_kernels_decode_tok_s"]
                 line += f"; torch kernels {td:7.2f} ({d / td:.2f}x)"
             print(line)
+        if "bf16_prefill_tok_s" in row:
+            bp, bd = row["bf16_prefill_tok_s"], row["bf16_decode_tok_s"]
+            blp, bld = row["bf16_limit_prefill_tok_s"], row["bf16_limit_decode_tok_s"]
+            line = (f"  bf16 products: prefill {bp:7.1f} tok/s ({bp / blp:4.0%} of its limit "
+                    f"{blp:.0f}, {bp / p:.2f}x float32")
+            if use_hf:
+                line += f", {bp / row['hf_prefill_tok_s']:.2f}x transformers"
+            line += ")"
+            if bd is not None:
+                line += (f"; decode {bd:6.2f} ({bd / bld:4.0%} of {bld:.1f}, {bd / d:.2f}x "
+                         f"float32"
+                         + (f", {bd / row['hf_decode_tok_s']:.2f}x transformers" if use_hf
+                            else "") + ")")
+            same = "same greedy tokens as float32" if row["bf16_same_tokens_as_fp32"] else \
+                "greedy tokens differ from float32"
+            if use_hf:
+                same += (", equal to transformers'" if row["bf16_greedy_tokens_equal_hf"]
+                         else ", differ from transformers'")
+            print(line + "; " + same)
+    if bf_model is None:
+        print(f"bf16 products: skipped ({bf_why})")
 
 
 # --------------------------------------------------------------------------- A/B mode
@@ -389,6 +441,8 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="skip transformers (said so)")
     ap.add_argument("--no-torch-kernels", action="store_true",
                     help="skip the exact path on the torch kernels (HICACHE_EXACT_NATIVE=0)")
+    ap.add_argument("--no-bf16", action="store_true",
+                    help="skip the exact path with bf16 products (--gemm-dtype bfloat16)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--baseline", help="A/B mode: another ops.py to compare with")
     ap.add_argument("--models", default="tiny,smollm2-135m", help="A/B mode: models")

@@ -17,10 +17,21 @@ from engine.runtime.tokenizer import ByteTokenizer
 PS = 16
 
 
-@pytest.fixture(scope="module", params=["tiny", "tiny-mla"])
+def _bf16_or_skip():
+    from engine.runtime.model import native_gemm
+
+    if not native_gemm.bf16_available():   # (the refusal itself: test_gemm_dtype_refusals)
+        pytest.skip(f"bf16 products: {native_gemm._state.get('bf16_what')}")
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-mla", "tiny+bf16"])
 def model(request):
     # the exact (batch-invariant) kernels these tests check bit for bit are the CPU path;
-    # CUDA's fused attention agrees at the token level (tests/test_model_gpu.py)
+    # CUDA's fused attention agrees at the token level (tests/test_model_gpu.py). tiny+bf16:
+    # the same path with its weight products in bfloat16 (--gemm-dtype bfloat16)
+    if request.param.endswith("+bf16"):
+        _bf16_or_skip()
+        return load_model(request.param[:-5], "cpu", gemm_dtype="bfloat16")
     return load_model(request.param, "cpu")
 
 
@@ -94,6 +105,64 @@ def test_batch_mates_do_not_change_a_bit(model, threads):
         s += n
     assert out.shape == (2, model.cfg.vocab_size)
     assert torch.equal(out[1], alone[0])
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 19, 25, 27, 40, 101])
+def test_bf16_products_give_each_row_the_same_bits_at_any_row_count(threads, rows):
+    from engine.runtime.model import native_gemm
+
+    _bf16_or_skip()
+    g = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(515, 257, generator=g), torch.randn(128, 257, generator=g)
+    whole = native_gemm.linear_bf16(x, w)
+    assert torch.equal(native_gemm.linear_bf16(x[:rows], w), whole[:rows])
+    assert torch.equal(native_gemm.linear_bf16(x[rows:], w, threads=1), whole[rows:])
+    ref = x.bfloat16().double() @ w.bfloat16().double().t()     # the rounded operands' product
+    assert torch.allclose(whole.double(), ref, rtol=1e-4, atol=1e-3)
+    # against float32: within bf16's rounding of the operands (~2^-8 relative each)
+    full = x.double() @ w.double().t()
+    assert (whole.double() - full).abs().max() < 0.02 * full.abs().max()
+
+
+def test_gemm_dtype_model_is_its_own_and_close_to_float32():
+    """A bf16-product model: its own tensors (a float32 model of the same weights keeps
+    float32 products), logits close to float32's, the same greedy token, another store tag."""
+    import dataclasses
+
+    from engine.runtime.model import Model
+    from engine.runtime.model.fingerprint import arch_identity
+
+    _bf16_or_skip()
+    f32 = load_model("tiny", "cpu")
+    bf = Model(dataclasses.replace(f32.cfg, gemm_dtype="bfloat16"), f32.w)
+    assert not hasattr(f32.w.layers[0].wo, "_hicache_gemm")
+    assert bf.w.layers[0].wo.data_ptr() == f32.w.layers[0].wo.data_ptr()   # no copy
+    toks = _prompt(200, 3)
+    _, a = _run_chunks(f32, _pool(f32), toks, [200])
+    _, b = _run_chunks(bf, _pool(bf), toks, [200])
+    _, a2 = _run_chunks(f32, _pool(f32), toks, [200])
+    assert torch.equal(a, a2) and not torch.equal(a, b)
+    assert (a - b).abs().max() < 0.05 * a.abs().max()
+    assert int(a.argmax()) == int(b.argmax())
+    assert arch_identity(bf.cfg) != arch_identity(f32.cfg)
+    assert "gemm_dtype" not in arch_identity(f32.cfg)       # float32 tags as before
+
+
+def test_gemm_dtype_refusals(monkeypatch):
+    from engine.runtime.launch import ServerConfig
+    from engine.runtime.model import native_gemm
+
+    with pytest.raises(ValueError, match="gemm dtype must be one of"):
+        load_model("tiny", "cpu", gemm_dtype="float16")
+    with pytest.raises(ValueError, match="needs the exact CPU path"):
+        load_model("tiny", "cpu", exact=False, gemm_dtype="bfloat16")
+    with pytest.raises(ValueError, match="--gemm-dtype"):
+        ServerConfig(gemm_dtype="int8")
+    monkeypatch.setitem(native_gemm._state, "bf16", False)
+    monkeypatch.setitem(native_gemm._state, "bf16_what", "unavailable: this CPU has no "
+                                                         "AVX512_BF16")
+    with pytest.raises(ValueError, match="AVX512_BF16; use float32"):
+        load_model("tiny", "cpu", gemm_dtype="bfloat16")
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 19, 25, 27, 40, 101])

@@ -96,6 +96,21 @@ def test_two_checkpoints_of_one_config_never_share_l3(two_checkpoints, tmp_path)
     assert storage_hits(again) > 0 and again["output_ids"] == a["output_ids"]
 
 
+def test_bf16_products_never_share_l3_with_float32(tmp_path):
+    """--gemm-dtype bfloat16 computes other KV bytes from the same weights: its own tag, no
+    L3 hit on what a float32 server stored (and the float32 server still finds its own)."""
+    from engine.runtime.model import native_gemm
+
+    if not native_gemm.bf16_available():
+        pytest.skip(f"bf16 products: {native_gemm._state.get('bf16_what')}")
+    a = served("tiny", tmp_path)
+    b = served("tiny", tmp_path, gemm_dtype="bfloat16")
+    assert storage_hits(b) == 0 and a["info"]["model_tag"] != b["info"]["model_tag"], b["info"]
+    assert served("tiny", tmp_path, gemm_dtype="bfloat16")["meta_info"][
+        "cached_tokens_details"]["storage"] > 0                 # its own objects it finds
+    assert storage_hits(served("tiny", tmp_path)) > 0
+
+
 def test_declared_fingerprint_shares_across_builds(two_checkpoints, tmp_path):
     """The operator's override: equal values share objects (here, wrongly: the weights differ,
     which is exactly the risk the documentation names)."""

@@ -23,6 +23,7 @@ from engine.runtime.config_fields import (  # noqa: F401 - the groups, re-export
     GROUPS,
     Disaggregation,
 )
+from engine.runtime.model.config import GEMM_DTYPES
 from engine.runtime.scheduler import SchedulerConfig
 
 MEMORY_STORE_CP = ("--cp with the memory L3 backend: a memory store lives in one process and "
@@ -232,6 +233,7 @@ class ServerConfig:
     hint_trust: str = "earned"         # when client hints are applied: earned | always | off
     chunked_prefill_size: int = 512
     exact: bool | None = None          # batch-invariant kernels (default: on CPU)
+    gemm_dtype: str = "float32"        # the exact path's weight products: float32 | bfloat16
     threads: int = 0                   # torch threads per process (0: torch's own / TP's share)
     record_events: bool = False        # keep the cache's event log in memory
     # L3 (SGLang's names): backend None = no L3
@@ -326,6 +328,9 @@ class ServerConfig:
         if self.flush_cache_scope not in ("cache", "all"):
             raise ValueError(f"--flush-cache-scope: choose cache or all, got "
                              f"{self.flush_cache_scope!r}")
+        if self.gemm_dtype not in GEMM_DTYPES:
+            raise ValueError(f"--gemm-dtype: choose {', '.join(GEMM_DTYPES)}, got "
+                             f"{self.gemm_dtype!r:.40}")
         if self.hint_trust not in TRUST_MODES:
             raise ValueError(f"--hint-trust: choose {', '.join(TRUST_MODES)}, got "
                              f"{self.hint_trust!r:.40}")

@@ -11,7 +11,7 @@ from engine.core.choices import Choice
 # Every field of ServerConfig under the concern it belongs to: ``bench serve --help`` shows one
 # panel per group; tests/test_config_groups.py holds the table complete.
 GROUPS: dict[str, tuple[str, ...]] = {
-    "server": ("host", "port", "device", "model", "seed", "exact", "threads", "record_events",
+    "server": ("host", "port", "device", "model", "seed", "exact", "gemm_dtype", "threads", "record_events",
                "tokenizer_dir", "served_model_name", "weight_version", "context_length",
                "max_running_requests", "max_sessions", "hint_trust", "chunked_prefill_size",
                "flush_cache_scope",

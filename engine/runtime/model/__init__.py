@@ -18,9 +18,11 @@ __all__ = ["AttentionKind", "Chunk", "LayerHook", "Model", "ModelConfig", "PRESE
 
 
 def load_model(spec: str | ModelConfig = "tiny", device: str = "cpu", *, seed: int | None = None,
-               exact: bool | None = None, dtype: str | None = None) -> Model:
+               exact: bool | None = None, dtype: str | None = None,
+               gemm_dtype: str | None = None) -> Model:
     """A ready model: a preset name, a :class:`ModelConfig`, a local checkpoint directory, or a
-    GGUF model (``smollm2-135m`` or a ``*.gguf`` path; engine.runtime.model.gguf_loader)."""
+    GGUF model (``smollm2-135m`` or a ``*.gguf`` path; engine.runtime.model.gguf_loader).
+    ``gemm_dtype``: ``ModelConfig.gemm_dtype`` (the exact path's weight products)."""
     from engine.runtime.model.gguf_loader import load_gguf, resolve_gguf
 
     gguf_path = resolve_gguf(spec)
@@ -39,4 +41,6 @@ def load_model(spec: str | ModelConfig = "tiny", device: str = "cpu", *, seed: i
         weights = random_weights(cfg, seed)
     if seed is not None:
         cfg = dataclasses.replace(cfg, seed=seed)
+    if gemm_dtype is not None:
+        cfg = dataclasses.replace(cfg, gemm_dtype=gemm_dtype)
     return Model(cfg, weights, device=device, exact=exact)

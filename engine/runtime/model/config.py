@@ -31,6 +31,10 @@ class AttentionKind(str, enum.Enum):
                 f"unknown attention {value!r}; choose one of {[m.value for m in cls]}") from None
 
 
+GEMM_DTYPES = ("float32", "bfloat16")
+"""The exact path's product dtypes (``ModelConfig.gemm_dtype``, ``--gemm-dtype``)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape of a Llama-style decoder (RMSNorm, RoPE, GQA or MLA, SwiGLU).
@@ -59,6 +63,9 @@ class ModelConfig:
     v_head_dim: int = 0
     tie_embeddings: bool = False
     dtype: str = "float32"
+    gemm_dtype: str = "float32"
+    """The exact CPU path's weight products: ``float32``, or ``bfloat16`` (weights and inputs
+    rounded to bf16, float32 sums: twice the speed, still batch invariant; docs/model-and-server.md)."""
     seed: int = 0
     # Llama-3 style RoPE scaling: (factor, low_freq_factor, high_freq_factor, original_max_pos)
     rope_llama3: tuple[float, float, float, int] | None = None
@@ -84,6 +91,9 @@ class ModelConfig:
         elif self.head_dim % 2:
             raise ValueError("head_dim must be even (RoPE)")
         torch_dtype(self.dtype)
+        if self.gemm_dtype not in GEMM_DTYPES:
+            raise ValueError(f"gemm dtype must be one of {', '.join(GEMM_DTYPES)}, got "
+                             f"{self.gemm_dtype!r:.40}")
 
     # Derived sizes ----------------------------------------------------------------------
     @property

@@ -229,6 +229,8 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     float32 on CPU takes the native kernel where it is built (:mod:`native_gemm`: invariant by
     construction; on one thread in ``safe`` mode, the same bits); else the torch items."""
     m = mode()
+    if getattr(w, "_hicache_gemm", None) == "bfloat16":     # Model(gemm_dtype=bfloat16)
+        return native_gemm.linear_bf16(x, w, threads=1 if m == "safe" else None)
     if (m != "library" and x.dtype == torch.float32 and w.dtype == torch.float32
             and x.device.type == "cpu" and w.device.type == "cpu" and native_gemm.available()):
         return native_gemm.linear(x, w, threads=1 if m == "safe" else None)

@@ -30,6 +30,8 @@ def arch_identity(cfg: ModelConfig) -> str:
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
               if f.name not in _NOT_KV}
     fields["attention"] = cfg.attention.value
+    if fields.get("gemm_dtype") == "float32":   # the default: tags as before the option came
+        del fields["gemm_dtype"]
     return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
 

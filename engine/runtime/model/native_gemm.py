@@ -84,9 +84,95 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     return panels
 
 
+def pack_bf16(w: torch.Tensor) -> torch.Tensor:
+    """``w [N, K]`` rounded to bfloat16 (nearest even) as panels of 32 columns by pairs of the
+    reduction index, ``[ceil(N/32), ceil(K/2), 32, 2]`` (zeros past N and K; rowdot.c's
+    ``hicache_rowdot_bf16``); made once per weight and kept on it (half the float32 bytes)."""
+    got = getattr(w, "_hicache_bf16_panels", None)
+    if got is not None and got[0] == (w.data_ptr(), tuple(w.shape), tuple(w.stride())):
+        return got[1]
+    N, K = w.shape
+    n_pad, k_pad = -(-N // 32) * 32, K + (K & 1)
+    wp = torch.zeros((n_pad, k_pad), dtype=torch.bfloat16)
+    wp[:N, :K] = w.detach().to(torch.bfloat16)
+    panels = wp.reshape(n_pad // 32, 32, k_pad // 2, 2).transpose(1, 2).contiguous()
+    w._hicache_bf16_panels = ((w.data_ptr(), tuple(w.shape), tuple(w.stride())), panels)
+    return panels
+
+
+def bf16_available() -> bool:
+    """Whether the bfloat16 kernel is on (this CPU has AVX512_BF16; built and self-tested)."""
+    return enabled() and _fn_bf16() is not False
+
+
+def linear_bf16(x: torch.Tensor, w: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+    """``bf16(x [M, K]) @ bf16(w).T`` accumulated in float32 on CPU, each element's bits its
+    own (rowdot.c). ``w`` is float32; its bf16 panels are made once (:func:`pack_bf16`)."""
+    fn = _fn_bf16()
+    if fn is False:
+        raise RuntimeError(f"bfloat16 products are not available here: {_state.get('bf16_what')}")
+    xc = x if x.is_contiguous() else x.contiguous()
+    M, K = xc.shape
+    N = w.shape[0]
+    packed = pack_bf16(w)
+    out = torch.empty((M, N), dtype=torch.float32)
+    t = torch.get_num_threads() if threads is None else threads
+    t = max(1, min(t, (M * N * K) >> 19))
+    rc = fn(xc.data_ptr(), K, packed.data_ptr(), out.data_ptr(), N, M, N, K, t)
+    if rc == -2:
+        raise MemoryError("bfloat16 products: no memory for the rounded rows")
+    return out
+
+
 def reset() -> None:
     with _lock:
         _state.clear()
+
+
+def _fn_bf16():
+    fn = _state.get("bf16")
+    if fn is None:
+        with _lock:
+            if _state.get("bf16") is None:
+                try:
+                    lib, so = load_library(_SOURCE)
+                    if not lib.hicache_rowdot_bf16_available():
+                        raise RuntimeError("this CPU has no AVX512_BF16")
+                    fn = lib.hicache_rowdot_bf16
+                    fn.restype = ctypes.c_int
+                    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
+                    _self_test_bf16(fn)
+                    _state["bf16_what"] = f"native bf16 ({so.name}, AVX512_BF16)"
+                except Exception as exc:  # reported once; a bf16 model then refuses to load
+                    fn = False
+                    _state["bf16_what"] = f"unavailable: {exc}"
+                log.info("exact bf16 products: %s", _state["bf16_what"])
+                _state["bf16"] = fn
+            fn = _state["bf16"]
+    return fn
+
+
+def _self_test_bf16(fn) -> None:
+    """Close to a float64 product of the bf16-rounded operands, and the same bits for a row
+    alone, in other row counts and on other thread counts (odd K: the half pair)."""
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(37, 83, generator=g), torch.randn(45, 83, generator=g)
+    p = pack_bf16(w)
+
+    def run(xs, threads):
+        o = torch.empty((xs.shape[0], 45))
+        fn(xs.data_ptr(), 83, p.data_ptr(), o.data_ptr(), 45, xs.shape[0], 45, 83, threads)
+        return o
+
+    ref = x.bfloat16().double() @ w.bfloat16().double().t()
+    whole = run(x, 1)
+    if not torch.allclose(whole.double(), ref, rtol=1e-4, atol=1e-3):
+        raise RuntimeError("the built bf16 kernel failed its self-test (values)")
+    for lo, hi, t in ((5, 6, 1), (0, 10, 3), (3, 37, 2), (0, 37, 4)):
+        if not torch.equal(run(x[lo:hi].contiguous(), t), whole[lo:hi]):
+            raise RuntimeError("the built bf16 kernel failed its self-test (row bits)")
 
 
 def _fn():

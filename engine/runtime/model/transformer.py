@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -91,6 +91,8 @@ class Model:
         self.w = weights.to(self.device, self.dtype)
         # Exact (batch-invariant) kernels by default on CPU, fused SDPA on CUDA.
         self.exact = (self.device.type == "cpu") if exact is None else exact
+        if cfg.gemm_dtype != "float32":
+            self._gemms_in(cfg.gemm_dtype)
         self.cos, self.sin = ops.rope_tables(cfg.rope_dim, cfg.max_context, cfg.rope_theta,
                                              self.device, self.dtype, cfg.rope_llama3,
                                              cfg.rope_linear_factor)
@@ -98,6 +100,33 @@ class Model:
             self.scale = 1.0 / math.sqrt(cfg.qk_nope_dim + cfg.qk_rope_dim)
         else:
             self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    def _gemms_in(self, dtype: str) -> None:
+        """The weight products in ``dtype`` (bfloat16): only the exact CPU path has such a
+        kernel (native_gemm's, invariant by construction); the weights are packed now."""
+        from engine.runtime.model import native_gemm
+
+        if self.device.type != "cpu" or not self.exact or self.dtype != torch.float32:
+            raise ValueError(f"--gemm-dtype {dtype} needs the exact CPU path with float32 "
+                             f"weights (this model: {self.device.type}, exact "
+                             f"{'on' if self.exact else 'off'}, {self.cfg.dtype})")
+        if not native_gemm.bf16_available():
+            raise ValueError(f"--gemm-dtype {dtype}: {native_gemm._state.get('bf16_what')}; "
+                             f"use float32")
+        def tagged(t: torch.Tensor) -> torch.Tensor:
+            v = t.view(t.shape)            # a tensor object of this model's own (same bytes):
+            v._hicache_gemm = dtype        # another model of the same weights keeps float32
+            native_gemm.pack_bf16(v)
+            return v
+
+        def layer(lw: Any) -> Any:
+            return dataclasses.replace(lw, **{f.name: tagged(getattr(lw, f.name))
+                                              for f in dataclasses.fields(lw)
+                                              if getattr(lw, f.name) is not None
+                                              and getattr(lw, f.name).dim() == 2})
+
+        self.w = dataclasses.replace(self.w, layers=[layer(lw) for lw in self.w.layers],
+                                     lm_head=tagged(self.w.lm_head))
 
     @property
     def name(self) -> str:

@@ -131,7 +131,8 @@ def build_rank(cfg: ServerConfig, topo: Topology, rendezvous: Any = None,
         before, prev = torch.get_num_threads(), restore
         torch.set_num_threads(cfg.threads)
         restore = prev or (lambda: torch.set_num_threads(before))
-    model = load_model(cfg.model, device, seed=cfg.seed, exact=cfg.exact)
+    model = load_model(cfg.model, device, seed=cfg.seed, exact=cfg.exact,
+                       gemm_dtype=None if cfg.gemm_dtype == "float32" else cfg.gemm_dtype)
     t0 = time.perf_counter()             # the weights as loaded, before any TP/PP split
     digest = weights_digest(model.w)
     fingerprint_s = time.perf_counter() - t0

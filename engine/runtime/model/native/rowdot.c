@@ -13,6 +13,7 @@
 #include <string.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdlib.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -166,6 +167,147 @@ int hicache_rowdot(const float *x, int64_t ldx, const float *p, float *o, int64_
         if (started[t])
             pthread_join(tid[t], 0);
     return rc;
+}
+
+/* ---- bfloat16 products (AVX512_BF16): the same shape of computation on bf16 pairs ----------
+ * x is rounded to bfloat16 (round to nearest even, one fixed function per element) and taken
+ * two reduction indices at a time: each output element is one float32 accumulator from zero,
+ * one VDPBF16PS per pair k = 2i, 2i + 1 (i = 0 .. ceil(K/2)-1, in order; a missing last k is
+ * zero). The instruction's rounding is fixed by the architecture, so the bits of an element
+ * again depend only on its row of x and column of w: batch invariant by construction. The
+ * weight comes packed (native_gemm.pack_bf16): p[panel][i][j][e] = bf16(w[32*panel + j][2i + e]),
+ * 128 bytes per pair row; half the bytes of the float32 panels. */
+#if defined(__AVX512BF16__)
+static inline uint32_t bf16_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x007FFFFFu))
+        return (u >> 16) | 0x40u;                     /* NaN stays NaN (quiet) */
+    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;    /* round to nearest even */
+}
+
+#define BBLOCK(R)                                                                          \
+static void bblock_##R(const uint32_t *xb, int64_t ldb, const uint16_t *p, float *o,       \
+                       int64_t ldo, int64_t KP, int64_t cols)                              \
+{                                                                                          \
+    __m512 a0[R], a1[R];                                                                   \
+    for (int r = 0; r < R; r++) {                                                          \
+        a0[r] = _mm512_setzero_ps();                                                       \
+        a1[r] = _mm512_setzero_ps();                                                       \
+    }                                                                                      \
+    for (int64_t i = 0; i < KP; i++) {                                                     \
+        __m512bh w0 = (__m512bh)_mm512_loadu_si512(p + 64 * i);                            \
+        __m512bh w1 = (__m512bh)_mm512_loadu_si512(p + 64 * i + 32);                       \
+        for (int r = 0; r < R; r++) {                                                      \
+            __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xb[r * ldb + i]);               \
+            a0[r] = _mm512_dpbf16_ps(a0[r], xv, w0);                                       \
+            a1[r] = _mm512_dpbf16_ps(a1[r], xv, w1);                                       \
+        }                                                                                  \
+    }                                                                                      \
+    for (int r = 0; r < R; r++)                                                            \
+        vstore(o + r * ldo, a0[r], a1[r], cols);                                           \
+}
+BBLOCK(1) BBLOCK(2) BBLOCK(3) BBLOCK(4) BBLOCK(5) BBLOCK(6) BBLOCK(7) BBLOCK(8)
+BBLOCK(9) BBLOCK(10) BBLOCK(11) BBLOCK(12)
+
+typedef void (*bblock_fn)(const uint32_t *, int64_t, const uint16_t *, float *, int64_t,
+                          int64_t, int64_t);
+static const bblock_fn BBLOCKS[MR + 1] = {0, bblock_1, bblock_2, bblock_3, bblock_4,
+                                          bblock_5, bblock_6, bblock_7, bblock_8, bblock_9,
+                                          bblock_10, bblock_11, bblock_12};
+
+struct bjob {
+    const uint32_t *xb;
+    const uint16_t *p;
+    float *o;
+    int64_t M, N, KP, ldo, panels;
+    int64_t *next;
+};
+
+static void *brun(void *arg)
+{
+    const struct bjob *j = (const struct bjob *)arg;
+    for (;;) {
+        int64_t q = __atomic_fetch_add(j->next, 1, __ATOMIC_RELAXED);
+        if (q >= j->panels)
+            break;
+        int64_t n = 32 * q, cols = j->N - n < 32 ? j->N - n : 32;
+        const uint16_t *panel = j->p + q * 64 * j->KP;
+        for (int64_t m = 0; m < j->M; m += MR) {
+            int64_t R = j->M - m < MR ? j->M - m : MR;
+            BBLOCKS[R](j->xb + m * j->KP, j->KP, panel, j->o + m * j->ldo + n, j->ldo, j->KP,
+                       cols);
+        }
+    }
+    return 0;
+}
+#endif
+
+/* o[M, N] = bf16(x[M, K]) @ w.T with w packed as bf16 pairs (above). Returns 0; -1 if a
+ * thread could not be started (the others take its panels: the same bits); -2 without
+ * AVX512_BF16 or memory for the rounded x. */
+int hicache_rowdot_bf16(const float *x, int64_t ldx, const uint16_t *p, float *o, int64_t ldo,
+                        int64_t M, int64_t N, int64_t K, int32_t threads)
+{
+#if defined(__AVX512BF16__)
+    if (M <= 0 || N <= 0)
+        return 0;
+    if (threads < 1)
+        threads = 1;
+    if (threads > MAX_THREADS)
+        threads = MAX_THREADS;
+    int64_t panels = (N + 31) / 32, KP = (K + 1) / 2;
+    if (threads > panels)
+        threads = (int32_t)panels;
+    static __thread uint32_t *xb_buf;
+    static __thread size_t xb_cap;
+    size_t need = (size_t)(M * KP);
+    if (need > xb_cap) {
+        free(xb_buf);
+        xb_cap = need + need / 4;
+        xb_buf = (uint32_t *)malloc(sizeof(uint32_t) * xb_cap);
+        if (!xb_buf) {
+            xb_cap = 0;
+            return -2;
+        }
+    }
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * ldx;
+        uint32_t *dr = xb_buf + m * KP;
+        for (int64_t i = 0; i < K / 2; i++)
+            dr[i] = bf16_bits(xr[2 * i]) | bf16_bits(xr[2 * i + 1]) << 16;
+        if (K & 1)
+            dr[KP - 1] = bf16_bits(xr[K - 1]);
+    }
+    int64_t next = 0;
+    struct bjob job = {xb_buf, p, o, M, N, KP, ldo, panels, &next};
+    pthread_t tid[MAX_THREADS];
+    int started[MAX_THREADS];
+    int rc = 0;
+    for (int t = 1; t < threads; t++) {
+        started[t] = pthread_create(&tid[t], 0, brun, &job) == 0;
+        if (!started[t])
+            rc = -1;
+    }
+    brun(&job);
+    for (int t = 1; t < threads; t++)
+        if (started[t])
+            pthread_join(tid[t], 0);
+    return rc;
+#else
+    (void)x; (void)ldx; (void)p; (void)o; (void)ldo; (void)M; (void)N; (void)K; (void)threads;
+    return -2;
+#endif
+}
+
+int hicache_rowdot_bf16_available(void)
+{
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 int hicache_rowdot_features(void)
