@@ -115,19 +115,30 @@ struct job {
     int64_t *next;                        /* the next panel to take (shared, atomic) */
 };
 
-/* panels taken one at a time from a shared counter (a thread whose core is busy elsewhere
- * takes fewer): each panel against every block of MR rows */
+/* Items taken one at a time from a shared counter (a thread whose core is busy elsewhere
+ * takes fewer): item i is the rows of chunk i / panels (RC rows: they stay in the core's L2
+ * while the threads go through the panels) against panel i % panels, in blocks of MR rows. */
+#define RC (8 * MR)
+
+static int64_t items_of(int64_t M, int64_t panels)
+{
+    return (M + RC - 1) / RC * panels;
+}
+
 static void *run(void *arg)
 {
     const struct job *j = (const struct job *)arg;
+    const int64_t items = items_of(j->M, j->panels);
     for (;;) {
-        int64_t q = __atomic_fetch_add(j->next, 1, __ATOMIC_RELAXED);
-        if (q >= j->panels)
+        int64_t it = __atomic_fetch_add(j->next, 1, __ATOMIC_RELAXED);
+        if (it >= items)
             break;
+        int64_t q = it % j->panels, m0 = it / j->panels * RC;
+        int64_t m1 = m0 + RC < j->M ? m0 + RC : j->M;
         int64_t n = 32 * q, cols = j->N - n < 32 ? j->N - n : 32;
         const float *panel = j->p + q * 32 * j->K;
-        for (int64_t m = 0; m < j->M; m += MR) {
-            int64_t R = j->M - m < MR ? j->M - m : MR;
+        for (int64_t m = m0; m < m1; m += MR) {
+            int64_t R = m1 - m < MR ? m1 - m : MR;
             BLOCKS[R](j->x + m * j->ldx, j->ldx, panel, j->o + m * j->ldo + n, j->ldo, j->K,
                       cols);
         }
@@ -150,8 +161,8 @@ int hicache_rowdot(const float *x, int64_t ldx, const float *p, float *o, int64_
     if (threads > MAX_THREADS)
         threads = MAX_THREADS;
     int64_t panels = (N + 31) / 32;
-    if (threads > panels)
-        threads = (int32_t)panels;
+    if (threads > items_of(M, panels))
+        threads = (int32_t)items_of(M, panels);
     int64_t next = 0;
     struct job job = {x, p, o, M, N, K, ldx, ldo, panels, &next};
     pthread_t tid[MAX_THREADS];
@@ -185,6 +196,25 @@ static inline uint32_t bf16_bits(float f)
     if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x007FFFFFu))
         return (u >> 16) | 0x40u;                     /* NaN stays NaN (quiet) */
     return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;    /* round to nearest even */
+}
+
+/* bf16_bits of 16 floats, in the low half of each 32-bit lane (the same integer steps) */
+static inline __m512i round_bf16(__m512 v)
+{
+    __m512i u = _mm512_castps_si512(v);
+    __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                         _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_mask_mov_epi32(rounded, nan, quiet);
+}
+
+/* the 16-bit halves of two vectors of rounded values, in order: 32 bf16 */
+static inline __m512i pack_idx(void)
+{
+    return _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32,
+                            30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
 }
 
 #define BBLOCK(R)                                                                          \
@@ -228,14 +258,17 @@ struct bjob {
 static void *brun(void *arg)
 {
     const struct bjob *j = (const struct bjob *)arg;
+    const int64_t items = items_of(j->M, j->panels);
     for (;;) {
-        int64_t q = __atomic_fetch_add(j->next, 1, __ATOMIC_RELAXED);
-        if (q >= j->panels)
+        int64_t it = __atomic_fetch_add(j->next, 1, __ATOMIC_RELAXED);
+        if (it >= items)
             break;
+        int64_t q = it % j->panels, m0 = it / j->panels * RC;
+        int64_t m1 = m0 + RC < j->M ? m0 + RC : j->M;
         int64_t n = 32 * q, cols = j->N - n < 32 ? j->N - n : 32;
         const uint16_t *panel = j->p + q * 64 * j->KP;
-        for (int64_t m = 0; m < j->M; m += MR) {
-            int64_t R = j->M - m < MR ? j->M - m : MR;
+        for (int64_t m = m0; m < m1; m += MR) {
+            int64_t R = m1 - m < MR ? m1 - m : MR;
             BBLOCKS[R](j->xb + m * j->KP, j->KP, panel, j->o + m * j->ldo + n, j->ldo, j->KP,
                        cols);
         }
@@ -258,8 +291,8 @@ int hicache_rowdot_bf16(const float *x, int64_t ldx, const uint16_t *p, float *o
     if (threads > MAX_THREADS)
         threads = MAX_THREADS;
     int64_t panels = (N + 31) / 32, KP = (K + 1) / 2;
-    if (threads > panels)
-        threads = (int32_t)panels;
+    if (threads > items_of(M, panels))
+        threads = (int32_t)items_of(M, panels);
     static __thread uint32_t *xb_buf;
     static __thread size_t xb_cap;
     size_t need = (size_t)(M * KP);
@@ -275,7 +308,13 @@ int hicache_rowdot_bf16(const float *x, int64_t ldx, const uint16_t *p, float *o
     for (int64_t m = 0; m < M; m++) {
         const float *xr = x + m * ldx;
         uint32_t *dr = xb_buf + m * KP;
-        for (int64_t i = 0; i < K / 2; i++)
+        int64_t i = 0;
+        for (; 2 * i + 32 <= K; i += 16) {       /* 32 values a time: the same rounding */
+            __m512 lo = _mm512_loadu_ps(xr + 2 * i), hi = _mm512_loadu_ps(xr + 2 * i + 16);
+            __m512i r0 = round_bf16(lo), r1 = round_bf16(hi);
+            _mm512_storeu_si512(dr + i, _mm512_permutex2var_epi16(r0, pack_idx(), r1));
+        }
+        for (; i < K / 2; i++)
             dr[i] = bf16_bits(xr[2 * i]) | bf16_bits(xr[2 * i + 1]) << 16;
         if (K & 1)
             dr[KP - 1] = bf16_bits(xr[K - 1]);
