@@ -143,7 +143,7 @@ def _fn_bf16():
                     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                    ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
-                    _self_test_bf16(fn)
+                    _self_test(fn, pack_bf16, rounded=True)
                     _state["bf16_what"] = f"native bf16 ({so.name}, AVX512_BF16)"
                 except Exception as exc:  # reported once; a bf16 model then refuses to load
                     fn = False
@@ -152,27 +152,6 @@ def _fn_bf16():
                 _state["bf16"] = fn
             fn = _state["bf16"]
     return fn
-
-
-def _self_test_bf16(fn) -> None:
-    """Close to a float64 product of the bf16-rounded operands, and the same bits for a row
-    alone, in other row counts and on other thread counts (odd K: the half pair)."""
-    g = torch.Generator().manual_seed(11)
-    x, w = torch.randn(37, 83, generator=g), torch.randn(45, 83, generator=g)
-    p = pack_bf16(w)
-
-    def run(xs, threads):
-        o = torch.empty((xs.shape[0], 45))
-        fn(xs.data_ptr(), 83, p.data_ptr(), o.data_ptr(), 45, xs.shape[0], 45, 83, threads)
-        return o
-
-    ref = x.bfloat16().double() @ w.bfloat16().double().t()
-    whole = run(x, 1)
-    if not torch.allclose(whole.double(), ref, rtol=1e-4, atol=1e-3):
-        raise RuntimeError("the built bf16 kernel failed its self-test (values)")
-    for lo, hi, t in ((5, 6, 1), (0, 10, 3), (3, 37, 2), (0, 37, 4)):
-        if not torch.equal(run(x[lo:hi].contiguous(), t), whole[lo:hi]):
-            raise RuntimeError("the built bf16 kernel failed its self-test (row bits)")
 
 
 def _fn():
@@ -222,22 +201,27 @@ def _load():
     return fn, f"{so.name}, {simd}"
 
 
-def _self_test(fn) -> None:
-    """Close to a float64 product, and the same bits for a row alone, in other row counts and
-    on other thread counts (odd sizes: every block, panel and tail path)."""
+def _self_test(fn, packer=None, rounded: bool = False) -> None:
+    """Close to a float64 product (``rounded``: of the bf16-rounded operands), and the same
+    bits for a row alone, in other row counts and on other thread counts (odd sizes: every
+    block, panel and tail path; an odd K: bf16's half pair)."""
     g = torch.Generator().manual_seed(7)
     x, w = torch.randn(37, 83, generator=g), torch.randn(45, 83, generator=g)
-    p = pack(w)
+    p = (packer or pack)(w)
 
     def run(xs, threads):
         o = torch.empty((xs.shape[0], 45))
         fn(xs.data_ptr(), 83, p.data_ptr(), o.data_ptr(), 45, xs.shape[0], 45, 83, threads)
         return o
 
-    ref = x.double() @ w.double().t()
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return (t.bfloat16() if rounded else t).double()
+
+    ref = cast(x) @ cast(w).t()
     whole = run(x, 1)
-    if not torch.allclose(whole.double(), ref, rtol=1e-4, atol=1e-4):
-        raise RuntimeError("the built kernel failed its self-test (values)")
+    what = "bf16 kernel" if rounded else "kernel"
+    if not torch.allclose(whole.double(), ref, rtol=1e-4, atol=1e-3 if rounded else 1e-4):
+        raise RuntimeError(f"the built {what} failed its self-test (values)")
     for lo, hi, t in ((5, 6, 1), (0, 10, 3), (3, 37, 2), (0, 37, 4)):
         if not torch.equal(run(x[lo:hi].contiguous(), t), whole[lo:hi]):
-            raise RuntimeError("the built kernel failed its self-test (row bits)")
+            raise RuntimeError(f"the built {what} failed its self-test (row bits)")

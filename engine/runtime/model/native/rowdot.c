@@ -148,6 +148,25 @@ static void *run(void *arg)
 
 #define MAX_THREADS 64
 
+/* fn(arg) on the calling thread and threads - 1 more, all taking items from one counter;
+ * 0, or -1 if a thread could not be started (the others take its items: the same bits) */
+static int on_threads(void *(*fn)(void *), void *arg, int32_t threads)
+{
+    pthread_t tid[MAX_THREADS];
+    int started[MAX_THREADS];
+    int rc = 0;
+    for (int t = 1; t < threads; t++) {
+        started[t] = pthread_create(&tid[t], 0, fn, arg) == 0;
+        if (!started[t])
+            rc = -1;
+    }
+    fn(arg);                              /* takes whatever items are left */
+    for (int t = 1; t < threads; t++)
+        if (started[t])
+            pthread_join(tid[t], 0);
+    return rc;
+}
+
 /* o[M, N] (row stride ldo) = x[M, K] (row stride ldx) @ w.T, w given packed (above), on up
  * to `threads` threads (panels taken from a shared counter). Returns 0, or -1 if a thread could
  * not be started (the others take its panels: the same bits). */
@@ -165,19 +184,7 @@ int hicache_rowdot(const float *x, int64_t ldx, const float *p, float *o, int64_
         threads = (int32_t)items_of(M, panels);
     int64_t next = 0;
     struct job job = {x, p, o, M, N, K, ldx, ldo, panels, &next};
-    pthread_t tid[MAX_THREADS];
-    int started[MAX_THREADS];
-    int rc = 0;
-    for (int t = 1; t < threads; t++) {
-        started[t] = pthread_create(&tid[t], 0, run, &job) == 0;
-        if (!started[t])
-            rc = -1;
-    }
-    run(&job);                            /* takes whatever panels are left */
-    for (int t = 1; t < threads; t++)
-        if (started[t])
-            pthread_join(tid[t], 0);
-    return rc;
+    return on_threads(run, &job, threads);
 }
 
 /* ---- bfloat16 products (AVX512_BF16): the same shape of computation on bf16 pairs ----------
@@ -321,19 +328,7 @@ int hicache_rowdot_bf16(const float *x, int64_t ldx, const uint16_t *p, float *o
     }
     int64_t next = 0;
     struct bjob job = {xb_buf, p, o, M, N, KP, ldo, panels, &next};
-    pthread_t tid[MAX_THREADS];
-    int started[MAX_THREADS];
-    int rc = 0;
-    for (int t = 1; t < threads; t++) {
-        started[t] = pthread_create(&tid[t], 0, brun, &job) == 0;
-        if (!started[t])
-            rc = -1;
-    }
-    brun(&job);
-    for (int t = 1; t < threads; t++)
-        if (started[t])
-            pthread_join(tid[t], 0);
-    return rc;
+    return on_threads(brun, &job, threads);
 #else
     (void)x; (void)ldx; (void)p; (void)o; (void)ldo; (void)M; (void)N; (void)K; (void)threads;
     return -2;
