@@ -19,12 +19,13 @@ of ``insert`` (it ends where the match's walk did: eviction removes nodes, it ne
 from __future__ import annotations
 
 import time
+from heapq import heappop, heappush
 from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
 
 from engine.cache.hints import CacheHint, HintBook, apply_hint
-from engine.cache.radix_tree import Node, RadixTree
+from engine.cache.radix_tree import Node, RadixTree, _common_len
 from engine.cache.tiers import Tier, l1_candidate
 
 if TYPE_CHECKING:
@@ -171,6 +172,143 @@ class LeanReplay:
         return pos
 
 
+    def plain(self, toks: np.ndarray) -> int:
+        """:meth:`request` without hints, in one body: the same steps, touches, pushes and
+        policy key calls in the same order, with the tree walk (page size 1, the default
+        namespace), the candidate push and the eviction loop (:meth:`Tier.evict
+        <engine.cache.tiers.Tier.evict>`, whose heap rebuild it calls) written out — a sweep
+        point spends its time here."""
+        tree = self.tree
+        t1 = self._t1
+        key = self.policy.key
+        path: list[Node] = []
+        pos = 0
+        lower = None
+        n = len(toks)
+        raw = toks.tobytes()
+        w = toks.itemsize
+        root = tree.roots.get(None)
+        if root is not None:               # the walk (RadixTree.walk, page size 1)
+            node = root
+            while pos < n:
+                child = node.children.get(raw[w * pos:w * pos + w])
+                if child is None:
+                    break
+                edge = child.tokens
+                k = len(edge)
+                if pos + k <= n and edge.tobytes() == raw[w * pos:w * (pos + k)]:
+                    path.append(child)
+                    pos += k
+                    node = child
+                    continue
+                m = _common_len(edge, toks[pos:pos + k])
+                if m < k:
+                    if m == 0:
+                        break
+                    lower = child
+                    child = tree.split(child, m)
+                path.append(child)
+                pos += m
+                node = child
+        tree.split_lower = lower
+        clock = tree.clock
+        for node in path:                  # match: touch, count the hit, push the candidates
+            clock += 1
+            node.last_access = clock
+            node.hit_count += 1
+            if not node.lock_ref and not node.n_l1_children:
+                tree.clock = clock
+                t1.seq += 1
+                heappush(t1.heap, (key(node), (node.id, t1.seq), node))
+        if lower is not None:              # compared by the walk: counted as accessed
+            clock += 1
+            lower.last_access = clock
+            if not lower.lock_ref and not lower.n_l1_children:
+                tree.clock = clock
+                t1.seq += 1
+                heappush(t1.heap, (key(lower), (lower.id, t1.seq), lower))
+        tree.clock = clock
+        for node in path:                  # lock the path (no push: counts only go up)
+            node.lock_ref += 1
+        need = n - pos
+        if need > self.free_pages:
+            while need > self.free_pages and self._evict_plain(need - self.free_pages):
+                pass
+        if need <= self.free_pages:
+            clock = tree.clock
+            for node in path:              # insert: the path is touched again (locked)
+                clock += 1
+                node.last_access = clock
+            if need > 0:                   # RadixTree.add_child, written out
+                parent = path[-1] if path else tree.root(None)
+                suffix = toks[pos:]
+                if 2 * need < n:
+                    suffix = suffix.copy()  # a view would keep the whole request alive
+                node = Node(tree._next_id, parent, suffix, parent.namespace)
+                tree._next_id += 1
+                tree.num_nodes += 1
+                parent.children[raw[w * pos:w * pos + w]] = node
+                node.l1 = suffix
+                self.free_pages -= need
+                clock += 1
+                node.last_access = clock
+                parent.n_l1_children += 1
+                tree.clock = clock
+                t1.seq += 1
+                heappush(t1.heap, (key(node), (node.id, t1.seq), node))
+            tree.clock = clock
+        else:
+            self.uncacheable += 1
+        for node in reversed(path):        # unlock, deepest first: candidates again
+            node.lock_ref -= 1
+            if not node.lock_ref and not node.n_l1_children:
+                t1.seq += 1
+                heappush(t1.heap, (key(node), (node.id, t1.seq), node))
+        return pos
+
+    def _evict_plain(self, n_pages: int) -> int:
+        """:meth:`_evict` without hints: :meth:`Tier.evict <engine.cache.tiers.Tier.evict>`'s
+        loop with :meth:`_evict_one` and the parent's push written out (a node of this cache
+        is never loading, and each one is on L1 until it leaves the tree)."""
+        t1 = self._t1
+        tree = self.tree
+        key = self.policy.key
+        children_key = tree.key_of
+        heap = t1.heap
+        freed = 0
+        rebuilt = False
+        while freed < n_pages:
+            if not heap:
+                if rebuilt:
+                    break
+                t1.rebuild(tree.iter_nodes(), key)
+                heap = t1.heap
+                rebuilt = True
+                continue
+            k, _, node = heappop(heap)
+            parent = node.parent
+            if parent is None or node.l1 is None or node.lock_ref or node.n_l1_children \
+                    or key(node) != k:
+                continue
+            if node.children:
+                continue
+            pages = len(node.tokens)
+            self.free_pages += pages
+            node.l1 = None
+            del parent.children[children_key(node.tokens)]
+            node.parent = None
+            tree.num_nodes -= 1
+            parent.n_l1_children -= 1
+            freed += pages
+            if parent.parent is not None and not parent.lock_ref and not parent.n_l1_children:
+                t1.seq += 1
+                heappush(heap, (key(parent), (parent.id, t1.seq), parent))
+        if len(heap) > 4 * tree.num_nodes + 4096:
+            t1.rebuild(tree.iter_nodes(), key)
+        self.evicted_pages += freed
+        return freed
+
+
 def drive_lean(cache: LeanReplay, requests: Iterable[np.ndarray], clock: list[int],
                progress: Callable[[int], None] | None = None, hints: "TraceHints | None" = None
                ) -> tuple[tuple[int, int, int, int], float]:
@@ -190,6 +328,7 @@ def drive_lean(cache: LeanReplay, requests: Iterable[np.ndarray], clock: list[in
             if progress is not None:
                 progress(i + 1)
         return (hits, 0, 0, cache.uncacheable), perf() - t0
+    step = cache.plain if cache.hints is None else cache.request
     for i, toks in enumerate(requests):
         clock[0] = i
         hits += step(toks)
