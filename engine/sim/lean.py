@@ -107,6 +107,15 @@ class LeanReplay:
                 "l3": None, "policy": policy_stats(self.policy),
                 **({} if self.hints is None else {"hints": self.hints.stats()})}
 
+    def close(self) -> None:
+        """Break the cache's reference cycles (each node and its parent, the tier and this
+        cache), so that reference counting frees it as soon as it is dropped: otherwise it
+        waits for the cycle collector, whose next pass walks every node, heap entry and policy
+        record it holds (a sweep point's garbage). The cache is unusable afterwards."""
+        for node in self.tree.iter_nodes():
+            node.parent = None
+        del self._t1
+
     def set_clock(self, t: float) -> None:
         """The facade's ``set_clock`` (the trace's timestamp of the next request)."""
         book = self.hints

@@ -8,6 +8,7 @@ use, so hit rates are comparable. Only cache operations are timed (``cache_secon
 
 from __future__ import annotations
 
+import array
 import bisect
 import dataclasses
 import math
@@ -124,15 +125,14 @@ _MAX_SLOTS = 1 << 24      # a dense page index up to this many slots; a dict bey
 def _future_index(inp: ReplayInput, p: int) -> tuple:
     """``(slots, starts, reqs)``: page ``t``'s requests are ``reqs[starts[s]:starts[s + 1]]``
     for ``s = slots(t)``. When the page size divides a block, a page-end token ``b*512 + o``
-    has a slot by arithmetic (block ``b``, page ``o // p`` of it): lists, no hashing. Otherwise
+    has a slot by arithmetic (block ``b``, page ``o // p`` of it): arrays, no hashing. Otherwise
     ``slots`` is a dict from token to slot (``per`` = 0)."""
     tok, starts = inp.page_ends(p)
-    req = np.repeat(np.arange(len(inp), dtype=np.int64), np.diff(starts))
+    req = np.repeat(np.arange(len(inp), dtype=np.int32), np.diff(starts))   # < MAX_REQUESTS
     per = TRACE_BLOCK // p if TRACE_BLOCK % p == 0 else 0
     n_blocks = int(inp.bases.max()) // TRACE_BLOCK + 1 if len(inp.bases) else 0
     if per and n_blocks * per <= _MAX_SLOTS:
-        t = tok.astype(np.int64)
-        key = (t // TRACE_BLOCK) * per + (t % TRACE_BLOCK) // p
+        key = (tok // TRACE_BLOCK) * per + (tok % TRACE_BLOCK) // p       # uint32: < 2**24
     else:
         per = 0
         key = tok.astype(np.int64)
@@ -144,10 +144,20 @@ def _future_index(inp: ReplayInput, p: int) -> tuple:
     if per:
         bounds = np.zeros(n_blocks * per + 1, dtype=np.int64)
         np.cumsum(np.bincount(key, minlength=n_blocks * per), out=bounds[1:])
-        return per, bounds.tolist(), req.tolist()
+        return per, _int_array(bounds, "q"), _int_array(req, "i")
     head = np.flatnonzero(np.r_[True, key[1:] != key[:-1]]) if len(key) else np.empty(0, int)
-    return dict(zip(key[head].tolist(), range(len(head)))), head.tolist() + [len(key)], \
-        req.tolist()
+    return dict(zip(key[head].tolist(), range(len(head)))), \
+        _int_array(np.append(head, len(key)), "q"), _int_array(req, "i")
+
+
+def _int_array(a: np.ndarray, code: str) -> array.array:
+    """``a`` as a flat ``array(code)`` (``q``: int64, ``i``: int32): what ``bisect`` and
+    indexing read as Python ints, made by one copy — no list of millions of int objects to
+    build, nor for a forked sweep worker to copy on write as it touches their reference
+    counts."""
+    out = array.array(code)
+    out.frombytes(np.ascontiguousarray(a, dtype=np.int64 if code == "q" else np.int32).tobytes())
+    return out
 
 
 @dataclasses.dataclass
@@ -256,7 +266,7 @@ def _opt_policy(inp: ReplayInput, page_size: int, clock: list[int], name_at: int
         per, p, blk = slots, page_size, TRACE_BLOCK
 
         def next_use(node) -> int | None:
-            t = int(node.tokens[name_at])
+            t = node.tokens.item(name_at)
             s = t // blk * per + t % blk // p
             hi = starts[s + 1]
             i = right(reqs, clock[0], starts[s], hi)
@@ -265,7 +275,7 @@ def _opt_policy(inp: ReplayInput, page_size: int, clock: list[int], name_at: int
         get = slots.get
 
         def next_use(node) -> int | None:
-            s = get(int(node.tokens[name_at]))
+            s = get(node.tokens.item(name_at))
             if s is None:
                 return None
             hi = starts[s + 1]
@@ -342,6 +352,7 @@ def replay(records: "ReplayInput | Trace | Iterable", cfg: ReplayConfig, *,
                                                         hints)
         cache = None
         stats = lean.stats(int(inp.page_ends(p)[1][n_req]), l1)
+        lean.close()
     else:
         cache = _make_cache(cfg, events, policy, unit)
         if cfg.l3_tokens:
