@@ -18,8 +18,9 @@ of ``insert`` (it ends where the match's walk did: eviction removes nodes, it ne
 
 from __future__ import annotations
 
+import itertools
 import time
-from heapq import heappop, heappush
+from heapq import heapify, heappop, heappush
 from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
@@ -56,6 +57,9 @@ class LeanReplay:
         self.evicted_pages = 0
         self.uncacheable = 0
         self._t1 = Tier("l1", self.l1_alloc, l1_candidate, self._evict_one)
+        # the candidate heap of a cache without hints (plain): flat entries
+        self._heap: list[tuple] = []
+        self._count = itertools.count(1)
         attach = getattr(policy, "attach", None)
         if attach is not None:             # bip, density: the tier's size and the tree
             attach(self)
@@ -128,6 +132,8 @@ class LeanReplay:
         """One request (match → lock → alloc → insert → unlock); returns the matched length.
         A request whose new pages do not fit even after eviction is not inserted
         (``uncacheable``)."""
+        if self.hints is None:
+            return self.plain(toks)
         tree = self.tree
         push = self._push
         path, pos = tree.walk(toks, None)
@@ -185,11 +191,13 @@ class LeanReplay:
         """:meth:`request` without hints, in one body: the same steps, touches, pushes and
         policy key calls in the same order, with the tree walk (page size 1, the default
         namespace), the candidate push and the eviction loop (:meth:`Tier.evict
-        <engine.cache.tiers.Tier.evict>`, whose heap rebuild it calls) written out — a sweep
-        point spends its time here."""
+        <engine.cache.tiers.Tier.evict>`) written out — a sweep point spends its time here.
+        Its heap entries are flat, ``key + (node id, push number, node)``: the order of the
+        tier's ``(key, (node id, push number), node)`` (a policy's keys all have one length),
+        compared without a nested tuple."""
         tree = self.tree
-        t1 = self._t1
         key = self.policy.key
+        count = self._count
         path: list[Node] = []
         pos = 0
         lower = None
@@ -200,12 +208,13 @@ class LeanReplay:
         if root is not None:               # the walk (RadixTree.walk, page size 1)
             node = root
             while pos < n:
-                child = node.children.get(raw[w * pos:w * pos + w])
+                b = w * pos
+                child = node.children.get(raw[b:b + w])
                 if child is None:
                     break
                 edge = child.tokens
                 k = len(edge)
-                if pos + k <= n and edge.tobytes() == raw[w * pos:w * (pos + k)]:
+                if pos + k <= n and edge.tobytes() == raw[b:b + w * k]:
                     path.append(child)
                     pos += k
                     node = child
@@ -221,21 +230,20 @@ class LeanReplay:
                 node = child
         tree.split_lower = lower
         clock = tree.clock
+        heap = self._heap
         for node in path:                  # match: touch, count the hit, push the candidates
             clock += 1
             node.last_access = clock
             node.hit_count += 1
             if not node.lock_ref and not node.n_l1_children:
                 tree.clock = clock
-                t1.seq += 1
-                heappush(t1.heap, (key(node), (node.id, t1.seq), node))
+                heappush(heap, key(node) + (node.id, next(count), node))
         if lower is not None:              # compared by the walk: counted as accessed
             clock += 1
             lower.last_access = clock
             if not lower.lock_ref and not lower.n_l1_children:
                 tree.clock = clock
-                t1.seq += 1
-                heappush(t1.heap, (key(lower), (lower.id, t1.seq), lower))
+                heappush(heap, key(lower) + (lower.id, next(count), lower))
         tree.clock = clock
         for node in path:                  # lock the path (no push: counts only go up)
             node.lock_ref += 1
@@ -243,6 +251,7 @@ class LeanReplay:
         if need > self.free_pages:
             while need > self.free_pages and self._evict_plain(need - self.free_pages):
                 pass
+            heap = self._heap              # (rebuilt, perhaps)
         if need <= self.free_pages:
             clock = tree.clock
             for node in path:              # insert: the path is touched again (locked)
@@ -250,7 +259,7 @@ class LeanReplay:
                 node.last_access = clock
             if need > 0:                   # RadixTree.add_child, written out
                 parent = path[-1] if path else tree.root(None)
-                suffix = toks[pos:]
+                suffix = toks[pos:] if pos else toks
                 if 2 * need < n:
                     suffix = suffix.copy()  # a view would keep the whole request alive
                 node = Node(tree._next_id, parent, suffix, parent.namespace)
@@ -263,57 +272,65 @@ class LeanReplay:
                 node.last_access = clock
                 parent.n_l1_children += 1
                 tree.clock = clock
-                t1.seq += 1
-                heappush(t1.heap, (key(node), (node.id, t1.seq), node))
+                heappush(heap, key(node) + (node.id, next(count), node))
             tree.clock = clock
         else:
             self.uncacheable += 1
         for node in reversed(path):        # unlock, deepest first: candidates again
             node.lock_ref -= 1
             if not node.lock_ref and not node.n_l1_children:
-                t1.seq += 1
-                heappush(t1.heap, (key(node), (node.id, t1.seq), node))
+                heappush(heap, key(node) + (node.id, next(count), node))
         return pos
+
+    def _rebuild_plain(self) -> list[tuple]:
+        """:meth:`Tier.rebuild <engine.cache.tiers.Tier.rebuild>` for :meth:`plain`'s heap:
+        exactly the current candidates, in the tree's order (so the same key calls)."""
+        key = self.policy.key
+        count = self._count
+        heap = [key(node) + (node.id, next(count), node) for node in self.tree.iter_nodes()
+                if l1_candidate(node)]
+        heapify(heap)
+        self._heap = heap
+        return heap
 
     def _evict_plain(self, n_pages: int) -> int:
         """:meth:`_evict` without hints: :meth:`Tier.evict <engine.cache.tiers.Tier.evict>`'s
         loop with :meth:`_evict_one` and the parent's push written out (a node of this cache
         is never loading, and each one is on L1 until it leaves the tree)."""
-        t1 = self._t1
         tree = self.tree
         key = self.policy.key
-        children_key = tree.key_of
-        heap = t1.heap
+        count = self._count
+        heap = self._heap
         freed = 0
         rebuilt = False
         while freed < n_pages:
             if not heap:
                 if rebuilt:
                     break
-                t1.rebuild(tree.iter_nodes(), key)
-                heap = t1.heap
+                heap = self._rebuild_plain()
                 rebuilt = True
                 continue
-            k, _, node = heappop(heap)
+            entry = heappop(heap)
+            node = entry[-1]
             parent = node.parent
             if parent is None or node.l1 is None or node.lock_ref or node.n_l1_children \
-                    or key(node) != k:
+                    or key(node) != entry[:-3]:
                 continue
             if node.children:
                 continue
-            pages = len(node.tokens)
+            tokens = node.tokens
+            pages = len(tokens)
             self.free_pages += pages
             node.l1 = None
-            del parent.children[children_key(node.tokens)]
+            del parent.children[tokens[:1].tobytes()]     # RadixTree.remove_leaf
             node.parent = None
             tree.num_nodes -= 1
             parent.n_l1_children -= 1
             freed += pages
             if parent.parent is not None and not parent.lock_ref and not parent.n_l1_children:
-                t1.seq += 1
-                heappush(heap, (key(parent), (parent.id, t1.seq), parent))
+                heappush(heap, key(parent) + (parent.id, next(count), parent))
         if len(heap) > 4 * tree.num_nodes + 4096:
-            t1.rebuild(tree.iter_nodes(), key)
+            self._rebuild_plain()
         self.evicted_pages += freed
         return freed
 
