@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import time
 from heapq import heapify, heappop, heappush
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -187,14 +187,14 @@ class LeanReplay:
         return pos
 
 
-    def plain(self, toks: np.ndarray) -> int:
+    def plain(self, toks: np.ndarray, raw: bytes | None = None) -> int:
         """:meth:`request` without hints, in one body: the same steps, touches, pushes and
         policy key calls in the same order, with the tree walk (page size 1, the default
         namespace), the candidate push and the eviction loop (:meth:`Tier.evict
         <engine.cache.tiers.Tier.evict>`) written out — a sweep point spends its time here.
         Its heap entries are flat, ``key + (node id, push number, node)``: the order of the
         tier's ``(key, (node id, push number), node)`` (a policy's keys all have one length),
-        compared without a nested tuple."""
+        compared without a nested tuple. ``raw``: ``toks.tobytes()``, when the caller has it."""
         tree = self.tree
         key = self.policy.key
         count = self._count
@@ -202,7 +202,8 @@ class LeanReplay:
         pos = 0
         lower = None
         n = len(toks)
-        raw = toks.tobytes()
+        if raw is None:
+            raw = toks.tobytes()
         w = toks.itemsize
         root = tree.roots.get(None)
         if root is not None:               # the walk (RadixTree.walk, page size 1)
@@ -336,11 +337,12 @@ class LeanReplay:
 
 
 def drive_lean(cache: LeanReplay, requests: Iterable[np.ndarray], clock: list[int],
-               progress: Callable[[int], None] | None = None, hints: "TraceHints | None" = None
-               ) -> tuple[tuple[int, int, int, int], float]:
+               progress: Callable[[int], None] | None = None, hints: "TraceHints | None" = None,
+               raws: Sequence[bytes] | None = None) -> tuple[tuple[int, int, int, int], float]:
     """:func:`~engine.sim.replay._drive` for a :class:`LeanReplay`, the same return value
     (``clock[0]``: the request index, which ``opt``'s future index reads). ``hints``: the
-    trace's client hints (each request's, and the trace's clock), sent with the requests."""
+    trace's client hints (each request's, and the trace's clock), sent with the requests.
+    ``raws``: each request's ``tobytes()``, made once for many replays (no hints)."""
     hits = 0
     perf = time.perf_counter
     step = cache.request
@@ -351,6 +353,14 @@ def drive_lean(cache: LeanReplay, requests: Iterable[np.ndarray], clock: list[in
             clock[0] = i
             set_clock(times[i])
             hits += step(toks, hint_of(i))
+            if progress is not None:
+                progress(i + 1)
+        return (hits, 0, 0, cache.uncacheable), perf() - t0
+    if raws is not None and cache.hints is None:
+        plain = cache.plain
+        for i, (toks, raw) in enumerate(zip(requests, raws)):
+            clock[0] = i
+            hits += plain(toks, raw)
             if progress is not None:
                 progress(i + 1)
         return (hits, 0, 0, cache.uncacheable), perf() - t0

@@ -70,6 +70,7 @@ class ReplayInput:
         self._futures: dict[int, tuple] = {}
         self._hints: dict[str, TraceHints] = {}
         self._page_ends: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._page_rows: dict[int, tuple[list[np.ndarray], list[bytes]]] = {}
 
     def __len__(self) -> int:
         return len(self.trace)
@@ -97,6 +98,15 @@ class ReplayInput:
                 + (pos % TRACE_BLOCK).astype(np.uint32)
             self._page_ends[page_size] = (tok, starts)
         return self._page_ends[page_size]
+
+    def page_rows(self, page_size: int) -> tuple[list[np.ndarray], list[bytes]]:
+        """Every request of :meth:`page_requests` kept in a list, and each one's bytes (the
+        radix walk's child keys are slices of them): made once for all the points of a
+        sweep, not once per point."""
+        if page_size not in self._page_rows:
+            rows = list(self.page_requests(page_size))
+            self._page_rows[page_size] = rows, [r.tobytes() for r in rows]
+        return self._page_rows[page_size]
 
     def page_requests(self, page_size: int, limit: int | None = None) -> Iterator[np.ndarray]:
         """Each request as one token per full page (its last token): the page-level replay."""
@@ -348,8 +358,12 @@ def replay(records: "ReplayInput | Trace | Iterable", cfg: ReplayConfig, *,
 
         lean = LeanReplay(cfg.l1_tokens // p, policy or make_policy(cfg.policy),
                           hints=None if hints is None else HintBook())
+        raws = None
+        if hints is None:
+            rows, raws = inp.page_rows(p)
+            requests, raws = rows[:n_req], raws[:n_req]
         (l1, l2, l3, uncacheable), elapsed = drive_lean(lean, requests, clock, progress,
-                                                        hints)
+                                                        hints, raws)
         cache = None
         stats = lean.stats(int(inp.page_ends(p)[1][n_req]), l1)
         lean.close()

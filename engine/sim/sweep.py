@@ -161,6 +161,7 @@ def run_sweep(inp: ReplayInput, points: Sequence[SweepPoint], page_size: int, *,
     (default: every core); 1, or a single point, runs in this process."""
     jobs = min(jobs or default_jobs(), len(points))
     inp.page_ends(page_size)               # built once here, inherited by the workers
+    inp.page_rows(page_size)
     if any(p.policy == "opt" for p in points):
         inp.future(page_size)
     for h in {p.hints for p in points} - {"off"}:
