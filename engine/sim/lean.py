@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 import numpy as np
 
 from engine.cache.hints import CacheHint, HintBook, apply_hint
-from engine.cache.radix_tree import Node, RadixTree, _common_len
+from engine.cache.radix_tree import Node, RadixTree
 from engine.cache.tiers import Tier, l1_candidate
 
 if TYPE_CHECKING:
@@ -210,25 +210,43 @@ class LeanReplay:
             node = root
             while pos < n:
                 b = w * pos
-                child = node.children.get(raw[b:b + w])
+                first = raw[b:b + w]
+                child = node.children.get(first)
                 if child is None:
                     break
                 edge = child.tokens
                 k = len(edge)
-                if pos + k <= n and edge.tobytes() == raw[b:b + w * k]:
-                    path.append(child)
-                    pos += k
-                    node = child
-                    continue
-                m = _common_len(edge, toks[pos:pos + k])
-                if m < k:
-                    if m == 0:
-                        break
-                    lower = child
-                    child = tree.split(child, m)
-                path.append(child)
+                eb = edge.tobytes()
+                if pos + k <= n:
+                    if eb == raw[b:b + w * k]:
+                        path.append(child)     # the whole edge (the usual case)
+                        pos += k
+                        node = child
+                        continue
+                    m = int((edge != toks[pos:pos + k]).argmax())   # the first difference
+                elif eb[:len(raw) - b] == raw[b:]:
+                    m = n - pos                # the request ends inside the edge
+                else:
+                    m = int((edge[:n - pos] != toks[pos:]).argmax())
+                # 0 < m < k (the first token matched): split the edge after m
+                # (RadixTree.split on a cache without hints, L2, L3 or loads)
+                lower = child
+                upper = Node(tree._next_id, node, edge[:m], child.namespace)
+                tree._next_id += 1
+                tree.num_nodes += 1
+                upper.l1 = upper.tokens
+                upper.lock_ref = child.lock_ref
+                upper.hit_count = child.hit_count
+                upper.last_access = child.last_access
+                upper.priority = child.priority
+                upper.n_l1_children = 1
+                node.children[first] = upper
+                child.tokens = child.l1 = edge[m:]
+                child.parent = upper
+                upper.children[eb[w * m:w * m + w]] = child
+                path.append(upper)
                 pos += m
-                node = child
+                break                          # the path ends at the split
         tree.split_lower = lower
         clock = tree.clock
         heap = self._heap
