@@ -141,8 +141,8 @@ class DensityPolicy(MeasuringPolicy):
         if parent is not None:
             # the open interval, findable after eviction by the edge it would re-create; the
             # page ends copied: a view would keep the node's whole token array alive
-            self.ghosts.put(gk or (parent.id, tokens[:p].tobytes()), clock,
-                            (cls, tokens[p - 1::p].copy(), turn),
+            ends = tokens.copy() if p == 1 else tokens[p - 1::p].copy()
+            self.ghosts.put(gk or (parent.id, tokens[:p].tobytes()), clock, (cls, ends, turn),
                             clock - _GHOST_HORIZON * max(self.capacity, 1))
         share = self.shares.get(cls, 1.0)
         if share >= 1.0 or drawn(nid, share):
