@@ -14,6 +14,11 @@ policy decisions are the facade's (tests/test_sweep.py compares them, every poli
 What it drops: page ids (a node's ``l1`` is its token array — one entry per page, page size 1 —
 and the free pages are a count), match/lock/insert result objects, event calls, the second walk
 of ``insert`` (it ends where the match's walk did: eviction removes nodes, it never adds one).
+
+Without hints (every point of a plain sweep) a request is :meth:`LeanReplay.plain`: the same
+steps with the walk, the split, the candidate push and the eviction loop written out in one
+body, over a heap of its own with flat entries — a sweep spends its time there
+(docs/benchmarking.md, "The sweep at ≤ 6 CPU-s").
 """
 
 from __future__ import annotations

@@ -134,8 +134,8 @@ def _run_point(point: SweepPoint) -> SweepRow:
     cfg = ReplayConfig(page_size=_SHARED["page_size"], l1_tokens=point.l1_tokens, l2_tokens=0,
                        policy=point.policy, limit=_SHARED["limit"], events=False,
                        hints=point.hints)
-    # The lean replay makes no reference cycles (a node leaves the tree unlinked), so the
-    # cycle collector would only re-scan the live tree, again and again: off for the point.
+    # The cycle collector would only re-scan the live tree, again and again: off for the point
+    # (the lean replay breaks its own cycles when done, LeanReplay.close: nothing is left for it).
     enabled = gc.isenabled()
     gc.disable()
     try:
