@@ -7,6 +7,9 @@ import os
 # Before torch loads: OpenMP threads that spin-wait collapse when another process (the load
 # generator, a second server) shares the cores; passive waiting keeps the speed-up.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Likewise numpy's OpenBLAS: its threads spin 2**28 cycles (about 0.1 CPU-s) after starting, at
+# every import, before they sleep; 2**4 makes them sleep at once (BLAS stays threaded).
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 import typer  # noqa: E402
 

@@ -77,6 +77,11 @@ def test_request_tokens_deterministic(tmp_path):
     (json.dumps({"timestamp": 0, "input_length": "10", "output_length": 1, "hash_ids": [0]}), "input_length"),
     (json.dumps({"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [0]}), "cannot cover"),
     (json.dumps({"timestamp": 0, "input_length": 6, "output_length": 1, "hash_ids": ["a"]}), "hash_ids"),
+    # a bool is an int to Python, a whole float compares like one: neither is a block id
+    (json.dumps({"timestamp": 0, "input_length": 6, "output_length": 1, "hash_ids": [0, True]}),
+     "hash_ids must be a list of integers"),
+    (json.dumps({"timestamp": 0, "input_length": 6, "output_length": 1, "hash_ids": [1.0]}),
+     "hash_ids must be a list of integers"),
 ])
 def test_bad_line_names_file_and_line(tmp_path, bad, msg):
     path = write(tmp_path / "t.jsonl", [LINES[0], bad])

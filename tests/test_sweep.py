@@ -91,3 +91,34 @@ def test_lean_replay_is_the_facade_replay(reuse_inp, policy, page_size, cap):
     full, _ = replay(reuse_inp, cfg, page_level=True, facade=True)
     assert full.stats["evicted_l1_pages"] > 0
     assert _fixed(lean) == _fixed(full)
+
+
+def test_a_lean_point_frees_its_cache_without_the_cycle_collector(reuse_inp):
+    """A sweep point runs with the cycle collector off; the lean replay breaks its own cycles
+    (node ↔ parent, tier ↔ cache) when done, so none of its nodes outlives the point."""
+    import gc
+
+    from engine.cache.radix_tree import Node
+
+    cfg = ReplayConfig(page_size=64, l1_tokens=400_000, policy="density", events=False)
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        res, _ = replay(reuse_inp, cfg, page_level=True)
+        alive = sum(type(o) is Node for o in gc.get_objects())
+    finally:
+        if was:
+            gc.enable()
+    assert res.stats["nodes"] > 10 and alive == 0
+
+
+def test_lean_request_without_hints_is_the_plain_path(reuse_inp):
+    from engine.cache.policy import make_policy
+    from engine.sim.lean import LeanReplay
+
+    a, b = LeanReplay(900, make_policy("lfu")), LeanReplay(900, make_policy("lfu"))
+    got = [(a.request(t), b.plain(t)) for t in reuse_inp.page_requests(64)]
+    assert all(x == y for x, y in got) and sum(x for x, _ in got) > 0
+    assert (a.evicted_pages, a.tree.num_nodes) == (b.evicted_pages, b.tree.num_nodes)
+    assert a.evicted_pages > 0

@@ -66,10 +66,12 @@ class AdaptiveBIP(MeasuringPolicy):
             return st[1]
         if st is None:
             st = self._first_sight(node)
-        if node.hit_count and st[2] >= 0:
+        hits = node.hit_count
+        if hits and st[2] >= 0:
             self._record(self.clock - st[2], len(node.tokens))
             st[2] = -1
-        if node.hit_count or self._admit(node):
+        rate = self.rate
+        if hits or rate >= 1.0 or drawn(node.id, rate):      # admitted (see _admit)
             k = (float(now),)
         else:
             k = (now - _LIP,)
@@ -82,15 +84,18 @@ class AdaptiveBIP(MeasuringPolicy):
         st = None
         if parent is not None and node.hit_count == 0 and not node.children:
             # A newly inserted leaf: advance the clock; a ghost hit is a reuse after eviction.
+            clock = self.clock
+            n = len(node.tokens)
             gk = edge_key(parent.id, node, self.page_size)
-            ghost = self.ghosts.pop(gk)
+            ghosts = self.ghosts
+            ghost = ghosts.pop(gk)
             if ghost is not None:
-                self._record(self.clock - ghost[0], len(node.tokens))
-            self.ghosts.put(gk, self.clock, None, self.clock - 64 * max(self.capacity, 1))
-            st = [-1, None, self.clock]
-            self.clock += len(node.tokens)
-            self.inserted += len(node.tokens)
-            if self.clock >= self._next_choice:
+                self._record(clock - ghost[0], n)
+            ghosts.put(gk, clock, None, clock - 64 * max(self.capacity, 1))
+            st = [-1, None, clock]
+            self.clock = clock = clock + n
+            self.inserted += n
+            if clock >= self._next_choice:
                 self._choose_rate()
         else:
             # The upper half of a split (or a node seen first by a heap rebuild): it shares

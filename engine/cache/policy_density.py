@@ -42,6 +42,7 @@ not reuse) keeps its key while classes are filtered; LRU would refresh it.
 
 from __future__ import annotations
 
+import array
 import collections
 import math
 from typing import Any
@@ -63,17 +64,25 @@ _SIZE_BUCKETS = 4                 # added-token classes, a factor 4 apart (in pa
 
 _EDGES = np.array([2.0 ** ((b + 1) / _BPO) - 1.0 for b in range(_NB)])   # bucket upper ends
 _MIDS = 0.5 * (_EDGES + np.concatenate(([0.0], _EDGES[:-1])))
+_COLS = np.arange(_NB)
 
 
 def _bucket(distance: float) -> int:
     return min(int(_BPO * math.log2(distance + 1.0)), _NB - 1)
 
 
+# the added-token class of 0 … 4**(_SIZE_BUCKETS - 1) pages (every larger count is the last)
+_SIZE_OF = tuple(min(int(math.log(max(n, 1), 4)), _SIZE_BUCKETS - 1)
+                 for n in range(4 ** (_SIZE_BUCKETS - 1) + 1))
+
+
 class _Class:
     __slots__ = ("hist", "touched")
 
     def __init__(self):
-        self.hist = [0.0] * _NB       # reused tokens by reuse-distance bucket (pages)
+        # reused tokens by reuse-distance bucket (pages): doubles in one buffer, so the solve
+        # reads every class's histogram as a matrix without converting a float at a time
+        self.hist = array.array("d", bytes(8 * _NB))
         self.touched = 0.0            # tokens whose interval started in this class
 
 
@@ -101,12 +110,15 @@ class DensityPolicy(MeasuringPolicy):
 
     # -- ordering --------------------------------------------------------------------------
     def key(self, node) -> tuple:
-        st = self._state.get(node.id)
+        # (the steps are written out here: a replay calls this a few times per request)
+        nid = node.id
+        st = self._state.get(nid)
         now = node.last_access
-        if st is not None and st[_SEEN] == now:
-            return st[_KEY]
+        gk = None
         if st is None:
-            st = self._first_sight(node)
+            st, gk = self._first_sight(node)
+        elif st[_SEEN] == now:
+            return st[_KEY]
         elif node.hit_count > st[_HITS]:
             # a hit: the open interval ends in a reuse and a new one starts
             self._record(st[_CLS], self.clock - st[_START], len(node.tokens))
@@ -115,17 +127,32 @@ class DensityPolicy(MeasuringPolicy):
             # it; while classes are filtered it keeps its key
             st[_SEEN] = now
             if not self.shares:
-                st[_KEY] = self._key_for(node.id, st[_CLS], now)
+                st[_KEY] = self._key_for(nid, st[_CLS], now)
             return st[_KEY]
-        st[_HITS] = node.hit_count
-        cls = self._class_of(node, st)
-        st[_START], st[_CLS] = self.clock, cls
-        self.classes[cls].touched += len(node.tokens)
-        self._remember(node, st)
-        st[_SEEN], st[_KEY] = now, self._key_for(node.id, cls, now)
-        if st[_KEY][0] < _ADMIT:
+        hits = st[_HITS] = node.hit_count
+        p = self.page_size
+        turn = st[_TURN]
+        cls = self._class_of(st[_ADDED], turn, hits)
+        clock = st[_START] = self.clock
+        st[_CLS] = cls
+        tokens = node.tokens
+        self.classes[cls].touched += len(tokens)
+        parent = node.parent
+        if parent is not None:
+            # the open interval, findable after eviction by the edge it would re-create; the
+            # page ends copied: a view would keep the node's whole token array alive
+            ends = tokens.copy() if p == 1 else tokens[p - 1::p].copy()
+            self.ghosts.put(gk or (parent.id, tokens[:p].tobytes()), clock, (cls, ends, turn),
+                            clock - _GHOST_HORIZON * max(self.capacity, 1))
+        share = self.shares.get(cls, 1.0)
+        if share >= 1.0 or drawn(nid, share):
+            key = (now + _ADMIT,)
+        else:
+            key = (now,)
             self.not_admitted += 1
-        return st[_KEY]
+        st[_SEEN] = now
+        st[_KEY] = key
+        return key
 
     def _key_for(self, node_id: int, cls, now: int) -> tuple:
         """Recency as the cache's own clock (``last_access``), so admitting all is LRU exactly;
@@ -135,27 +162,32 @@ class DensityPolicy(MeasuringPolicy):
             return (now + _ADMIT,)
         return (now,)
 
-    def _class_of(self, node, st) -> tuple:
-        pages = max(st[_ADDED] // max(self.page_size, 1), 1)
-        size = min(int(math.log(pages, 4)), _SIZE_BUCKETS - 1)
-        return (min(st[_TURN], _MAX_TURN), size, node.hit_count > 0)
+    def _class_of(self, added: int, turn: int, hits: int) -> tuple:
+        pages = max(added // max(self.page_size, 1), 1)
+        size = _SIZE_OF[pages] if pages < len(_SIZE_OF) else _SIZE_BUCKETS - 1
+        return (min(turn, _MAX_TURN), size, hits > 0)
 
-    def _first_sight(self, node) -> list:
+    def _first_sight(self, node) -> tuple[list, tuple | None]:
+        """The node's new record, and for a newly inserted leaf the edge it hangs on (the
+        ghost table's key, :func:`~engine.cache.policy_measured.edge_key`)."""
         parent = node.parent
         pst = self._state.get(parent.id) if parent is not None else None
         turn = (pst[_TURN] + 1) if pst is not None else self._depth(node)
+        n = len(node.tokens)
         # mixed record (ints; _KEY and _CLS are tuples once set): see the indices above
-        st: list[Any] = [-1, None, -1, None, turn, -1, len(node.tokens)]
+        st: list[Any] = [-1, None, -1, None, turn, -1, n]
+        gk = None
         if parent is not None and node.hit_count == 0 and not node.children:
             # a newly inserted leaf: advance the clock; a ghost hit is a reuse after eviction
-            ghost = self.ghosts.pop(edge_key(parent.id, node, self.page_size))
+            gk = edge_key(parent.id, node, self.page_size)
+            ghost = self.ghosts.pop(gk)
             if ghost is not None:
                 born, (cls, ends, ghost_turn) = ghost
                 shared = self._shared(ends, node)
                 self._record(cls, self.clock - born, shared)
-                st[_TURN], st[_ADDED] = ghost_turn + 1, max(st[_ADDED] - shared, 1)
-            self.clock += len(node.tokens)
-            self.inserted += len(node.tokens)
+                st[_TURN], st[_ADDED] = ghost_turn + 1, max(n - shared, 1)
+            self.clock += n
+            self.inserted += n
             if self.clock >= self._next_choice:
                 self._choose()
         else:
@@ -164,9 +196,9 @@ class DensityPolicy(MeasuringPolicy):
             lower = next(iter(node.children.values()), None) if node.children else None
             lst = self._state.get(lower.id) if lower is not None else None
             if lst is not None and lst[_START] >= 0 and node.hit_count > lst[_HITS]:
-                self._record(lst[_CLS], self.clock - lst[_START], len(node.tokens))
+                self._record(lst[_CLS], self.clock - lst[_START], n)
         self._keep_state(node.id, st)
-        return st
+        return st, gk
 
     def _shared(self, ends, node) -> int:
         """Tokens a re-inserted edge shares with the evicted one (whole pages, by page ends)."""
@@ -189,23 +221,13 @@ class DensityPolicy(MeasuringPolicy):
         if cls is not None:
             self.classes[cls].hist[_bucket(distance / self.page_size)] += tokens
 
-    def _remember(self, node, st) -> None:
-        """The node's open interval, findable after eviction by the edge it would re-create."""
-        if node.parent is None:
-            return
-        p = self.page_size
-        # the page ends copied: a view would keep the node's whole token array alive
-        self.ghosts.put(edge_key(node.parent.id, node, p), self.clock,
-                        (st[_CLS], node.tokens[p - 1::p].copy(), st[_TURN]),
-                        self.clock - _GHOST_HORIZON * max(self.capacity, 1))
-
     def _choose(self) -> None:
         cap = max(self.capacity, 1)
         self._next_choice = self.clock + cap // 2 + 1
         if self.clock >= self._next_decay:
             if self._next_decay:
                 for c in self.classes.values():
-                    c.hist = [h * 0.5 for h in c.hist]
+                    np.frombuffer(c.hist, dtype=np.float64)[:] *= 0.5
                     c.touched *= 0.5
                 self.inserted *= 0.5
             self._next_decay = self.clock + _DECAY * cap
@@ -238,7 +260,8 @@ def solve_admission(classes: dict, span: float, budget: float,
     names = [c for c in classes if classes[c].touched > 0]
     if not names:
         return {}
-    hists = np.array([classes[c].hist for c in names])
+    hists = np.frombuffer(b"".join([classes[c].hist.tobytes() for c in names]),
+                          dtype=np.float64).reshape(len(names), _NB)
     touched = np.array([classes[c].touched for c in names])
     shrunk = hists + (prior_tokens / touched.sum()) * hists.sum(axis=0)
     t = touched[:, None] + prior_tokens
@@ -256,22 +279,25 @@ def solve_admission(classes: dict, span: float, budget: float,
     if not len(fi):
         return {}
     # for every T (column) at once: reused classes first, then fresh ones by density
-    left = budget - cost[~fresh].sum(axis=0)
-    base = hits[~fresh].sum(axis=0)
+    reused = ~fresh
+    left = budget - cost[reused].sum(axis=0)
+    base = hits[reused].sum(axis=0)
     fc, fh = cost[fi], hits[fi]
     order = np.argsort(-fh / np.maximum(fc, 1e-300), axis=0, kind="stable")
-    sc = np.take_along_axis(fc, order, axis=0)
-    sh = np.take_along_axis(fh, order, axis=0)
+    cols = _COLS
+    sc = fc[order, cols]                               # each column in its own order
+    sh = fh[order, cols]
     cc = np.cumsum(sc, axis=0)
     k = (cc < left[None, :]).sum(axis=0)               # fresh classes admitted whole
-    cols = np.arange(len(_EDGES))
     full = k < len(fi)                                  # columns where the cache fills up
     ok = full & (left > 0)
     if not ok.any():
         return {}
     kk = np.minimum(k, len(fi) - 1)
-    before_c = np.where(k > 0, cc[np.maximum(k - 1, 0), cols], 0.0)
-    before_h = np.where(k > 0, np.cumsum(sh, axis=0)[np.maximum(k - 1, 0), cols], 0.0)
+    some = k > 0
+    k1 = np.maximum(k - 1, 0)
+    before_c = np.where(some, cc[k1, cols], 0.0)
+    before_h = np.where(some, np.cumsum(sh, axis=0)[k1, cols], 0.0)
     frac = np.clip((left - before_c) / np.maximum(sc[kk, cols], 1e-300), 0.0, 1.0)
     gain = np.where(ok, base + before_h + frac * sh[kk, cols], -1.0)
     b = int(np.argmax(gain))

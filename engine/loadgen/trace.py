@@ -289,7 +289,7 @@ def _parse(line: str, where: str) -> tuple[float, int, int, list[int], int, tupl
     if n_in > MAX_INPUT_LENGTH:
         raise InputError(f"{where}: input_length {n_in} exceeds the limit {MAX_INPUT_LENGTH}")
     need = -(-n_in // TRACE_BLOCK)
-    if not isinstance(ids, list) or not all(type(b) is int for b in ids) or (
+    if not isinstance(ids, list) or not _INT_ONLY.issuperset(map(type, ids)) or (
             ids and (min(ids) < 0 or max(ids) >= MAX_BLOCK_ID)):
         raise InputError(f"{where}: hash_ids must be a list of integers in [0, 2**48)")
     if len(ids) < need:
@@ -301,6 +301,7 @@ def _parse(line: str, where: str) -> tuple[float, int, int, list[int], int, tupl
 
 
 _NO_HINTS = (False, math.nan, 0)
+_INT_ONLY = frozenset((int,))    # the types a list of block ids may hold (not bool, not float)
 
 
 class _Blocks:

@@ -8,6 +8,7 @@ use, so hit rates are comparable. Only cache operations are timed (``cache_secon
 
 from __future__ import annotations
 
+import array
 import bisect
 import dataclasses
 import math
@@ -69,6 +70,7 @@ class ReplayInput:
         self._futures: dict[int, tuple] = {}
         self._hints: dict[str, TraceHints] = {}
         self._page_ends: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._page_rows: dict[int, tuple[list[np.ndarray], list[bytes]]] = {}
 
     def __len__(self) -> int:
         return len(self.trace)
@@ -97,6 +99,15 @@ class ReplayInput:
             self._page_ends[page_size] = (tok, starts)
         return self._page_ends[page_size]
 
+    def page_rows(self, page_size: int) -> tuple[list[np.ndarray], list[bytes]]:
+        """Every request of :meth:`page_requests` kept in a list, and each one's bytes (the
+        radix walk's child keys are slices of them): made once for all the points of a
+        sweep, not once per point."""
+        if page_size not in self._page_rows:
+            rows = list(self.page_requests(page_size))
+            self._page_rows[page_size] = rows, [r.tobytes() for r in rows]
+        return self._page_rows[page_size]
+
     def page_requests(self, page_size: int, limit: int | None = None) -> Iterator[np.ndarray]:
         """Each request as one token per full page (its last token): the page-level replay."""
         tok, starts = self.page_ends(page_size)
@@ -124,15 +135,14 @@ _MAX_SLOTS = 1 << 24      # a dense page index up to this many slots; a dict bey
 def _future_index(inp: ReplayInput, p: int) -> tuple:
     """``(slots, starts, reqs)``: page ``t``'s requests are ``reqs[starts[s]:starts[s + 1]]``
     for ``s = slots(t)``. When the page size divides a block, a page-end token ``b*512 + o``
-    has a slot by arithmetic (block ``b``, page ``o // p`` of it): lists, no hashing. Otherwise
+    has a slot by arithmetic (block ``b``, page ``o // p`` of it): arrays, no hashing. Otherwise
     ``slots`` is a dict from token to slot (``per`` = 0)."""
     tok, starts = inp.page_ends(p)
-    req = np.repeat(np.arange(len(inp), dtype=np.int64), np.diff(starts))
+    req = np.repeat(np.arange(len(inp), dtype=np.int32), np.diff(starts))   # < MAX_REQUESTS
     per = TRACE_BLOCK // p if TRACE_BLOCK % p == 0 else 0
     n_blocks = int(inp.bases.max()) // TRACE_BLOCK + 1 if len(inp.bases) else 0
     if per and n_blocks * per <= _MAX_SLOTS:
-        t = tok.astype(np.int64)
-        key = (t // TRACE_BLOCK) * per + (t % TRACE_BLOCK) // p
+        key = (tok // TRACE_BLOCK) * per + (tok % TRACE_BLOCK) // p       # uint32: < 2**24
     else:
         per = 0
         key = tok.astype(np.int64)
@@ -144,10 +154,20 @@ def _future_index(inp: ReplayInput, p: int) -> tuple:
     if per:
         bounds = np.zeros(n_blocks * per + 1, dtype=np.int64)
         np.cumsum(np.bincount(key, minlength=n_blocks * per), out=bounds[1:])
-        return per, bounds.tolist(), req.tolist()
+        return per, _int_array(bounds, "q"), _int_array(req, "i")
     head = np.flatnonzero(np.r_[True, key[1:] != key[:-1]]) if len(key) else np.empty(0, int)
-    return dict(zip(key[head].tolist(), range(len(head)))), head.tolist() + [len(key)], \
-        req.tolist()
+    return dict(zip(key[head].tolist(), range(len(head)))), \
+        _int_array(np.append(head, len(key)), "q"), _int_array(req, "i")
+
+
+def _int_array(a: np.ndarray, code: str) -> array.array:
+    """``a`` as a flat ``array(code)`` (``q``: int64, ``i``: int32): what ``bisect`` and
+    indexing read as Python ints, made by one copy — no list of millions of int objects to
+    build, nor for a forked sweep worker to copy on write as it touches their reference
+    counts."""
+    out = array.array(code)
+    out.frombytes(np.ascontiguousarray(a, dtype=np.int64 if code == "q" else np.int32).tobytes())
+    return out
 
 
 @dataclasses.dataclass
@@ -256,7 +276,7 @@ def _opt_policy(inp: ReplayInput, page_size: int, clock: list[int], name_at: int
         per, p, blk = slots, page_size, TRACE_BLOCK
 
         def next_use(node) -> int | None:
-            t = int(node.tokens[name_at])
+            t = node.tokens.item(name_at)
             s = t // blk * per + t % blk // p
             hi = starts[s + 1]
             i = right(reqs, clock[0], starts[s], hi)
@@ -265,7 +285,7 @@ def _opt_policy(inp: ReplayInput, page_size: int, clock: list[int], name_at: int
         get = slots.get
 
         def next_use(node) -> int | None:
-            s = get(int(node.tokens[name_at]))
+            s = get(node.tokens.item(name_at))
             if s is None:
                 return None
             hi = starts[s + 1]
@@ -338,10 +358,15 @@ def replay(records: "ReplayInput | Trace | Iterable", cfg: ReplayConfig, *,
 
         lean = LeanReplay(cfg.l1_tokens // p, policy or make_policy(cfg.policy),
                           hints=None if hints is None else HintBook())
+        raws = None
+        if hints is None:
+            rows, raws = inp.page_rows(p)
+            requests, raws = rows[:n_req], raws[:n_req]
         (l1, l2, l3, uncacheable), elapsed = drive_lean(lean, requests, clock, progress,
-                                                        hints)
+                                                        hints, raws)
         cache = None
         stats = lean.stats(int(inp.page_ends(p)[1][n_req]), l1)
+        lean.close()
     else:
         cache = _make_cache(cfg, events, policy, unit)
         if cfg.l3_tokens:

@@ -134,8 +134,8 @@ def _run_point(point: SweepPoint) -> SweepRow:
     cfg = ReplayConfig(page_size=_SHARED["page_size"], l1_tokens=point.l1_tokens, l2_tokens=0,
                        policy=point.policy, limit=_SHARED["limit"], events=False,
                        hints=point.hints)
-    # The lean replay makes no reference cycles (a node leaves the tree unlinked), so the
-    # cycle collector would only re-scan the live tree, again and again: off for the point.
+    # The cycle collector would only re-scan the live tree, again and again: off for the point
+    # (the lean replay breaks its own cycles when done, LeanReplay.close: nothing is left for it).
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -161,6 +161,7 @@ def run_sweep(inp: ReplayInput, points: Sequence[SweepPoint], page_size: int, *,
     (default: every core); 1, or a single point, runs in this process."""
     jobs = min(jobs or default_jobs(), len(points))
     inp.page_ends(page_size)               # built once here, inherited by the workers
+    inp.page_rows(page_size)
     if any(p.policy == "opt" for p in points):
         inp.future(page_size)
     for h in {p.hints for p in points} - {"off"}:
