@@ -106,6 +106,7 @@ def test_bf16_products_never_share_l3_with_float32(tmp_path):
     a = served("tiny", tmp_path)
     b = served("tiny", tmp_path, gemm_dtype="bfloat16")
     assert storage_hits(b) == 0 and a["info"]["model_tag"] != b["info"]["model_tag"], b["info"]
+    assert (a["info"]["gemm_dtype"], b["info"]["gemm_dtype"]) == ("float32", "bfloat16")
     assert served("tiny", tmp_path, gemm_dtype="bfloat16")["meta_info"][
         "cached_tokens_details"]["storage"] > 0                 # its own objects it finds
     assert storage_hits(served("tiny", tmp_path)) > 0

@@ -170,7 +170,8 @@ class Engine:
         mc = self.model.cfg
         return {"model": mc.name, "attention": mc.attention.value, "layers": mc.num_layers,
                 "params": self.num_params, "device": self.device,
-                "exact_kernels": self.model.exact, "threads": torch.get_num_threads(),
+                "exact_kernels": self.model.exact, "gemm_dtype": mc.gemm_dtype,
+                "threads": torch.get_num_threads(),
                 "exact_fallbacks": _exact_report(), "page_size": self.cfg.page_size,
                 "l1_tokens": self.cfg.l1_tokens, "l2_tokens": self.l2_tokens,
                 "host_layout": self.cfg.host_layout, "write_policy": self.cfg.write_policy,
