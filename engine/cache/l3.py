@@ -175,6 +175,8 @@ class StoreTier:
             except BaseException as exc:  # surfaced on the scheduler thread at commit
                 job.error = exc
                 job.result = 0
+                if job.kind == "demote":  # advisory, never committed: said here instead
+                    log.warning("L3 demote of %d pages failed: %s", len(job.hashes), exc)
             job.event.set()
 
     def clear(self) -> int:

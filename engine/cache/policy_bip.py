@@ -71,7 +71,7 @@ class AdaptiveBIP(MeasuringPolicy):
             self._record(self.clock - st[2], len(node.tokens))
             st[2] = -1
         rate = self.rate
-        if hits or rate >= 1.0 or drawn(node.id, rate):      # admitted (see _admit)
+        if hits or rate >= 1.0 or drawn(node.id, rate):      # admitted: a hit, or drawn
             k = (float(now),)
         else:
             k = (now - _LIP,)
@@ -105,9 +105,6 @@ class AdaptiveBIP(MeasuringPolicy):
             st = [-1, None, born[2] if born is not None else -1]
         self._keep_state(node.id, st)
         return st
-
-    def _admit(self, node) -> bool:
-        return self.rate >= 1.0 or drawn(node.id, self.rate)
 
     # -- measurement -----------------------------------------------------------------------
     def _record(self, distance: int, tokens: int) -> None:

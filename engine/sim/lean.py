@@ -191,7 +191,6 @@ class LeanReplay:
                 push(node)
         return pos
 
-
     def plain(self, toks: np.ndarray, raw: bytes | None = None) -> int:
         """:meth:`request` without hints, in one body: the same steps, touches, pushes and
         policy key calls in the same order, with the tree walk (page size 1, the default
