@@ -85,6 +85,9 @@ def _fn():
                                    ctypes.c_int64,
                                    ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                    ctypes.c_float, ctypes.c_int32]
+                    from engine.runtime.model import native_pool
+
+                    native_pool.attach(lib)
                     _state["fn"] = fn
                     _self_test()
                     _state["what"] = f"native ({so.name})"

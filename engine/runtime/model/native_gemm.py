@@ -63,7 +63,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, threads: int | None = None) -> torc
     out = torch.empty((M, N), dtype=torch.float32)
     # threads start per call: a small product (a decode step's) takes fewer (same bits)
     t = torch.get_num_threads() if threads is None else threads
-    t = max(1, min(t, (M * N * K) >> 18))
+    t = max(1, min(t, (M * N * K) >> 15))
     fn(xc.data_ptr(), K, packed.data_ptr(), out.data_ptr(), N, M, N, K, t)
     return out
 
@@ -136,6 +136,9 @@ def _fn_bf16():
             if _state.get("bf16") is None:
                 try:
                     lib, so = load_library(_SOURCE)
+                    from engine.runtime.model import native_pool
+
+                    native_pool.attach(lib)
                     if not lib.hicache_rowdot_bf16_available():
                         raise RuntimeError("this CPU has no AVX512_BF16")
                     fn = lib.hicache_rowdot_bf16
@@ -196,8 +199,11 @@ def _load():
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                    ctypes.c_int32]
+    from engine.runtime.model import native_pool
+
+    native_pool.attach(lib)           # (the bf16 kernel is in the same library)
     _self_test(fn)
-    simd = "AVX-512" if lib.hicache_rowdot_features() else "portable"
+    simd = {1: "AVX-512", 2: "AVX2"}.get(lib.hicache_rowdot_features(), "portable")
     return fn, f"{so.name}, {simd}"
 
 

@@ -34,6 +34,14 @@ def _exact_report() -> list[str]:
     return exact.report()
 
 
+def _native_kernels() -> dict[str, str]:
+    """Which C kernels the exact CPU path runs (instruction set) and how they get threads."""
+    from engine.runtime.model import native_attn, native_gemm, native_pool
+
+    return {"products": native_gemm.describe(), "attention": native_attn.describe(),
+            "threads": native_pool.describe()}
+
+
 class Engine:
     """Rank 0's parts behind the HTTP API."""
 
@@ -171,6 +179,8 @@ class Engine:
         return {"model": mc.name, "attention": mc.attention.value, "layers": mc.num_layers,
                 "params": self.num_params, "device": self.device,
                 "exact_kernels": self.model.exact, "gemm_dtype": mc.gemm_dtype,
+                "native_kernels": _native_kernels()
+                if self.model.exact and self.device == "cpu" else None,
                 "threads": torch.get_num_threads(),
                 "exact_fallbacks": _exact_report(), "page_size": self.cfg.page_size,
                 "l1_tokens": self.cfg.l1_tokens, "l2_tokens": self.l2_tokens,

@@ -66,6 +66,99 @@ static inline vec vexp(vec x)
     p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HC_AVX2 1
+/* AVX2: a vector of 16 as two of 8, every operation the AVX-512 one lane for lane (the same
+ * bits: the same roundings, max, sums in the same tree, exp's 2^n exact for n >= -126) */
+typedef struct { __m256 lo, hi; } vec;
+typedef int32_t vmask;                    /* the lanes below this count */
+static inline vmask vm(int64_t left) { return left >= 16 ? 16 : left <= 0 ? 0 : (vmask)left; }
+static inline __m256i lanes(int32_t below)
+{ return _mm256_cmpgt_epi32(_mm256_set1_epi32(below), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); }
+static inline vec vzero(void) { vec v = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return v; }
+static inline vec vload(const float *p, vmask m)
+{
+    if (m == 16) {
+        vec v = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
+        return v;
+    }
+    vec v = {_mm256_maskload_ps(p, lanes(m)), _mm256_maskload_ps(p + 8, lanes(m - 8))};
+    return v;
+}
+static inline void vstore(float *p, vec v, vmask m)
+{
+    if (m == 16) {
+        _mm256_storeu_ps(p, v.lo);
+        _mm256_storeu_ps(p + 8, v.hi);
+        return;
+    }
+    _mm256_maskstore_ps(p, lanes(m), v.lo);
+    _mm256_maskstore_ps(p + 8, lanes(m - 8), v.hi);
+}
+static inline vec vbcast(float x) { vec v = {_mm256_set1_ps(x), _mm256_set1_ps(x)}; return v; }
+static inline vec vfma(vec a, vec b, vec c)
+{
+    vec v = {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+    return v;
+}
+static inline vec vpick(vec a, vec b, vmask m)        /* b in the lanes of m, else a */
+{
+    vec v = {_mm256_blendv_ps(a.lo, b.lo, _mm256_castsi256_ps(lanes(m))),
+             _mm256_blendv_ps(a.hi, b.hi, _mm256_castsi256_ps(lanes(m - 8)))};
+    return v;
+}
+static inline vec vadd_m(vec a, vec b, vmask m)
+{
+    vec s = {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)};
+    return vpick(a, s, m);
+}
+static inline vec vmax_m(vec a, vec b, vmask m)
+{
+    vec s = {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)};
+    return vpick(a, s, m);
+}
+static inline vec vsub(vec a, vec b)
+{ vec v = {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; return v; }
+static inline vec vmul(vec a, vec b)
+{ vec v = {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; return v; }
+static inline float vhmax(vec v)
+{
+    __m256 m8 = _mm256_max_ps(v.lo, v.hi);
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    return _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps(m2, m2, 1)));
+}
+static inline float vhsum(vec v)
+{
+    __m256 s8 = _mm256_add_ps(v.lo, v.hi);
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+    return _mm_cvtss_f32(s1);
+}
+static inline __m256 vexp8(__m256 x)
+{
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
+    p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
+    /* 2^n as a float (n in -126 .. 0 for x <= 0: a normal number, so p * 2^n is scalef's
+     * one rounding); lanes past the mask may hold anything and are never stored */
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                   _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+static inline vec vexp(vec x) { vec v = {vexp8(x.lo), vexp8(x.hi)}; return v; }
 #else
 typedef struct { float l[16]; } vec;
 typedef uint32_t vmask;
@@ -131,6 +224,75 @@ struct task_args {
 };
 
 struct worker { const struct task_args *a; int32_t id; int err; };
+
+#if defined(HC_AVX2)
+#define PV_ACC(r, ok)                                                                      \
+    if (RR > r && (ok)) {                                                                  \
+        __m256 p = _mm256_broadcast_ss(buf + (rs + r) * cap + t);                          \
+        c##r##0 = _mm256_fmadd_ps(p, v0, c##r##0);                                         \
+        c##r##1 = _mm256_fmadd_ps(p, v1, c##r##1);                                         \
+        c##r##2 = _mm256_fmadd_ps(p, v2, c##r##2);                                         \
+        c##r##3 = _mm256_fmadd_ps(p, v3, c##r##3);                                         \
+    }
+#define PV_STORE(r)                                                                        \
+    if (RR > r) {                                                                          \
+        float *orow = a->o + (mrow[rs + r] * a->Hq + hq[rs + r]) * Dv + d0;                \
+        if (w == 32) {                                                                     \
+            _mm256_storeu_ps(orow, c##r##0);                                               \
+            _mm256_storeu_ps(orow + 8, c##r##1);                                           \
+            _mm256_storeu_ps(orow + 16, c##r##2);                                          \
+            _mm256_storeu_ps(orow + 24, c##r##3);                                          \
+        } else {                                                                           \
+            _mm256_maskstore_ps(orow, lanes((int32_t)w), c##r##0);                         \
+            _mm256_maskstore_ps(orow + 8, lanes((int32_t)w - 8), c##r##1);                 \
+            _mm256_maskstore_ps(orow + 16, lanes((int32_t)w - 16), c##r##2);               \
+            _mm256_maskstore_ps(orow + 24, lanes((int32_t)w - 24), c##r##3);               \
+        }                                                                                  \
+    }
+/* P @ V for AVX2 (16 registers): 3 rows x 32 value columns at a time in named registers, keys
+ * in order; each output the same fma chain over its row's keys as in the 64-column loop */
+static void pv_avx2(const struct task_args *a, int64_t h, int64_t R, const int64_t *n,
+                    const int64_t *mrow, const int64_t *hq, const float *buf, int64_t cap)
+{
+    const int64_t Dv = a->Dv;
+    for (int64_t d0 = 0; d0 < Dv; d0 += 32) {
+        const int64_t w = Dv - d0 < 32 ? Dv - d0 : 32;
+        const __m256i l0 = lanes((int32_t)w), l1 = lanes((int32_t)w - 8),
+                      l2 = lanes((int32_t)w - 16), l3 = lanes((int32_t)w - 24);
+        for (int64_t rs = 0; rs < R; rs += 3) {
+            const int64_t RR = R - rs < 3 ? R - rs : 3;
+            int64_t nmin = n[rs], nmax = n[rs];
+            for (int64_t r = 1; r < RR; r++) {
+                if (n[rs + r] > nmax) nmax = n[rs + r];
+                if (n[rs + r] < nmin) nmin = n[rs + r];
+            }
+            __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c03 = c00, c10 = c00,
+                   c11 = c00, c12 = c00, c13 = c00, c20 = c00, c21 = c00, c22 = c00,
+                   c23 = c00;
+            for (int64_t t = 0; t < nmax; t++) {
+                const float *vr = a->v + (a->slots ? a->slots[t] : t) * a->ldv + h * Dv + d0;
+                __m256 v0, v1, v2, v3;
+                if (w == 32) {
+                    v0 = _mm256_loadu_ps(vr);
+                    v1 = _mm256_loadu_ps(vr + 8);
+                    v2 = _mm256_loadu_ps(vr + 16);
+                    v3 = _mm256_loadu_ps(vr + 24);
+                } else {
+                    v0 = _mm256_maskload_ps(vr, l0);
+                    v1 = _mm256_maskload_ps(vr + 8, l1);
+                    v2 = _mm256_maskload_ps(vr + 16, l2);
+                    v3 = _mm256_maskload_ps(vr + 24, l3);
+                }
+                const int all = t < nmin;
+                PV_ACC(0, all || t < n[rs])
+                PV_ACC(1, all || t < n[rs + 1])
+                PV_ACC(2, all || t < n[rs + 2])
+            }
+            PV_STORE(0) PV_STORE(1) PV_STORE(2)
+        }
+    }
+}
+#endif
 
 /* one block of up to RB rows of kv-head h: rows r = blk*RB .. (row r: g = r / M, m = r % M) */
 static void one_block(const struct task_args *a, int64_t h, int64_t blk, float *buf,
@@ -202,6 +364,9 @@ static void one_block(const struct task_args *a, int64_t h, int64_t blk, float *
             vstore(s + t, vmul(vload(s + t, mk), inv), mk);
         }
     }
+#if defined(HC_AVX2)
+    pv_avx2(a, h, R, n, mrow, hq, buf, cap);
+#else
     /* P @ V: 4 rows x 64 value columns at a time, keys in order */
     for (int64_t d0 = 0; d0 < Dv; d0 += 64) {
         vmask m0 = vm(Dv - d0), m1 = vm(Dv - d0 - 16), m2 = vm(Dv - d0 - 32),
@@ -238,6 +403,7 @@ static void one_block(const struct task_args *a, int64_t h, int64_t blk, float *
             }
         }
     }
+#endif
 }
 
 static int64_t max_visible(const struct task_args *a)
@@ -292,6 +458,33 @@ static void transpose16(const float *const *src, int64_t rows, float *dst)
 }
 #endif
 
+#if defined(HC_AVX2)
+/* 8 rows of 8 floats (row j at src[j]) to dst[c * 16 + j] (ld 16, as the blocks of 16 keys);
+ * rows past `rows` read as zero */
+static void transpose8(const float *const *src, int64_t rows, float *dst)
+{
+    __m256 r[8], t[8];
+    for (int j = 0; j < 8; j++)
+        r[j] = j < rows ? _mm256_loadu_ps(src[j]) : _mm256_setzero_ps();
+    for (int j = 0; j < 8; j += 2) {
+        t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
+        t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
+    }
+    for (int j = 0; j < 8; j += 4) {
+        r[j] = _mm256_shuffle_ps(t[j], t[j + 2], 0x44);
+        r[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], 0xEE);
+        r[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0x44);
+        r[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0xEE);
+    }
+    /* r[0..3]: columns 0,1,2,3 of rows 0-3 (low 128) and columns 4,5,6,7 (high); the same
+     * for rows 4-7 in r[4..7] */
+    for (int j = 0; j < 4; j++) {
+        _mm256_storeu_ps(dst + j * 16, _mm256_permute2f128_ps(r[j], r[j + 4], 0x20));
+        _mm256_storeu_ps(dst + (j + 4) * 16, _mm256_permute2f128_ps(r[j], r[j + 4], 0x31));
+    }
+}
+#endif
+
 /* phase 1: key blocks (h, b) taken from a shared counter, transposed */
 static void *transpose(void *arg)
 {
@@ -318,6 +511,15 @@ static void *transpose(void *arg)
                 src[j] = kr[j] + d;
             transpose16(src, rows, dst + d * 16);
         }
+#elif defined(HC_AVX2)
+        for (; d + 8 <= D; d += 8)
+            for (int half = 0; half < 2; half++) {
+                const float *src[8];
+                for (int j = 0; j < 8; j++)
+                    src[j] = kr[8 * half + j] + d;
+                int64_t left = rows - 8 * half;
+                transpose8(src, left < 0 ? 0 : left, dst + d * 16 + 8 * half);
+            }
 #endif
         for (; d < D; d++)
             for (int64_t j = 0; j < 16; j++)
@@ -345,6 +547,12 @@ static void *work(void *arg)
     free(buf);
     return 0;
 }
+
+/* the shared worker pool (native/pool.c, handed over by native_attn.py): 0 when it ran the
+ * phase, else the threads are started here */
+typedef int (*runner_fn)(void *(*)(void *), void **, int32_t);
+static runner_fn runner;
+void hicache_set_runner(runner_fn fn) { runner = fn; }
 
 /* q [M, Hq, D], k rows of ldk floats (kv-head h at h*D), v rows of ldv floats (h at h*Dv),
  * key t in row slots[t] of both (slots NULL: row t), pos [M] (query m sees keys 0..pos[m]),
@@ -394,15 +602,19 @@ int hicache_attend(const float *q, const float *k, int64_t ldk, const float *v, 
             ws[t] = (struct worker){&a, t, 0};
             started[t] = 0;
         }
-        for (int t = 1; t < threads; t++)
-            started[t] = pthread_create(&tid[t], 0, fn, &ws[t]) == 0;
-        fn(&ws[0]);
-        err |= ws[0].err;
-        for (int t = 1; t < threads; t++) {
-            if (started[t])
-                pthread_join(tid[t], 0);
-            err |= ws[t].err;             /* one not started: the others took its items */
+        void *args[MAX_THREADS];
+        for (int t = 0; t < threads; t++)
+            args[t] = &ws[t];
+        if (!(runner && threads > 1 && runner(fn, args, threads) == 0)) {
+            for (int t = 1; t < threads; t++)
+                started[t] = pthread_create(&tid[t], 0, fn, &ws[t]) == 0;
+            fn(&ws[0]);
+            for (int t = 1; t < threads; t++)
+                if (started[t])
+                    pthread_join(tid[t], 0);  /* one not started: the others took its items */
         }
+        for (int t = 0; t < threads; t++)
+            err |= ws[t].err;
     }
     return err ? -1 : 0;
 }

@@ -43,6 +43,9 @@ static inline void vstore(float *o, vec a, vec b, int64_t cols)
     }
     _mm512_mask_storeu_ps(o, (__mmask16)((1u << cols) - 1u), a);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HC_AVX2 1
 #else
 /* portable: the same arithmetic, one lane at a time */
 typedef struct { float l[16]; } vec;
@@ -75,6 +78,112 @@ static inline vec vfma(vec a, vec b, vec c)
 }
 #endif
 
+#if defined(HC_AVX2)
+/* AVX2 (16 registers of 8 lanes): the same sequence per output element, in register tiles
+ * that fit: one or two rows against the whole 32-column panel, else up to 6 rows against
+ * half a panel (16 columns) at a time. Only which elements are computed together changes. */
+#define FMA_ROW(r, acc0, acc1)                                                             \
+    if (R > r) {                                                                           \
+        __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);                                  \
+        acc0 = _mm256_fmadd_ps(xb, w0, acc0);                                              \
+        acc1 = _mm256_fmadd_ps(xb, w1, acc1);                                              \
+    }
+/* named accumulators, not an array: gcc kept an array of them in memory, stored every step */
+#define MICRO16(N)                                                                         \
+static void micro16_##N(const float *x, int64_t ldx, const float *p, float *o,             \
+                        int64_t ldo, int64_t K, int64_t cols)                              \
+{                                                                                          \
+    enum { R = N };                                                                        \
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00,          \
+           a21 = a00, a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;    \
+    for (int64_t k = 0; k < K; k++) {                                                      \
+        __m256 w0 = _mm256_loadu_ps(p + 32 * k), w1 = _mm256_loadu_ps(p + 32 * k + 8);     \
+        FMA_ROW(0, a00, a01) FMA_ROW(1, a10, a11) FMA_ROW(2, a20, a21)                     \
+        FMA_ROW(3, a30, a31) FMA_ROW(4, a40, a41) FMA_ROW(5, a50, a51)                     \
+    }                                                                                      \
+    store4(o, a00, a01, a00, a00, cols);                                                   \
+    if (R > 1) store4(o + ldo, a10, a11, a10, a10, cols);                                  \
+    if (R > 2) store4(o + 2 * ldo, a20, a21, a20, a20, cols);                              \
+    if (R > 3) store4(o + 3 * ldo, a30, a31, a30, a30, cols);                              \
+    if (R > 4) store4(o + 4 * ldo, a40, a41, a40, a40, cols);                              \
+    if (R > 5) store4(o + 5 * ldo, a50, a51, a50, a50, cols);                              \
+}
+/* one or two rows against the whole panel (a decode step: the weight streamed once) */
+#define MICRO32(R)                                                                         \
+static void micro32_##R(const float *x, int64_t ldx, const float *p, float *o,             \
+                        int64_t ldo, int64_t K, int64_t cols)                              \
+{                                                                                          \
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00,          \
+           a11 = a00, a12 = a00, a13 = a00;                                                \
+    for (int64_t k = 0; k < K; k++) {                                                      \
+        const float *pk = p + 32 * k;                                                      \
+        _mm_prefetch((const char *)(pk + 32 * 16), _MM_HINT_T0);                           \
+        _mm_prefetch((const char *)(pk + 32 * 16 + 16), _MM_HINT_T0);                      \
+        __m256 w0 = _mm256_loadu_ps(pk), w1 = _mm256_loadu_ps(pk + 8),                     \
+               w2 = _mm256_loadu_ps(pk + 16), w3 = _mm256_loadu_ps(pk + 24);               \
+        __m256 x0 = _mm256_broadcast_ss(x + k);                                            \
+        a00 = _mm256_fmadd_ps(x0, w0, a00);                                                \
+        a01 = _mm256_fmadd_ps(x0, w1, a01);                                                \
+        a02 = _mm256_fmadd_ps(x0, w2, a02);                                                \
+        a03 = _mm256_fmadd_ps(x0, w3, a03);                                                \
+        if (R > 1) {                                                                       \
+            __m256 x1 = _mm256_broadcast_ss(x + ldx + k);                                  \
+            a10 = _mm256_fmadd_ps(x1, w0, a10);                                            \
+            a11 = _mm256_fmadd_ps(x1, w1, a11);                                            \
+            a12 = _mm256_fmadd_ps(x1, w2, a12);                                            \
+            a13 = _mm256_fmadd_ps(x1, w3, a13);                                            \
+        }                                                                                  \
+    }                                                                                      \
+    store4(o, a00, a01, a02, a03, cols);                                                   \
+    if (R > 1) store4(o + ldo, a10, a11, a12, a13, cols);                                  \
+}
+
+/* the first `cols` (at most 32) of four vectors of 8, passed by value (an array whose address
+ * is taken is kept in memory by the compiler: the accumulators would go through the stack) */
+static inline void store4(float *o, __m256 v0, __m256 v1, __m256 v2, __m256 v3, int64_t cols)
+{
+    if (cols >= 16) {
+        _mm256_storeu_ps(o, v0);
+        _mm256_storeu_ps(o + 8, v1);
+        if (cols >= 32) {
+            _mm256_storeu_ps(o + 16, v2);
+            _mm256_storeu_ps(o + 24, v3);
+            return;
+        }
+    }
+    float tmp[32];
+    _mm256_storeu_ps(tmp, v0);
+    _mm256_storeu_ps(tmp + 8, v1);
+    _mm256_storeu_ps(tmp + 16, v2);
+    _mm256_storeu_ps(tmp + 24, v3);
+    for (int64_t i = cols >= 16 ? 16 : 0; i < cols; i++)
+        o[i] = tmp[i];
+}
+MICRO32(1) MICRO32(2)
+MICRO16(1) MICRO16(2) MICRO16(3) MICRO16(4) MICRO16(5) MICRO16(6)
+
+typedef void (*micro_fn)(const float *, int64_t, const float *, float *, int64_t, int64_t,
+                         int64_t);
+static const micro_fn MICRO16S[7] = {0, micro16_1, micro16_2, micro16_3, micro16_4,
+                                     micro16_5, micro16_6};
+
+#define BLOCK(R)                                                                           \
+static void block_##R(const float *x, int64_t ldx, const float *p, float *o, int64_t ldo,  \
+                      int64_t K, int64_t cols)                                             \
+{                                                                                          \
+    if (R == 1) { micro32_1(x, ldx, p, o, ldo, K, cols); return; }                          \
+    if (R == 2) { micro32_2(x, ldx, p, o, ldo, K, cols); return; }                          \
+    for (int r0 = 0; r0 < R; r0 += 6) {                                                    \
+        int rr = R - r0 < 6 ? R - r0 : 6;                                                  \
+        MICRO16S[rr](x + r0 * ldx, ldx, p, o + r0 * ldo, ldo, K, cols < 16 ? cols : 16);   \
+        if (cols > 16)                                                                     \
+            MICRO16S[rr](x + r0 * ldx, ldx, p + 16, o + r0 * ldo + 16, ldo, K, cols - 16); \
+    }                                                                                      \
+}
+BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6) BLOCK(7) BLOCK(8)
+BLOCK(9) BLOCK(10) BLOCK(11) BLOCK(12)
+
+#else
 /* The weight comes packed in panels of 32 output columns: p[panel][k][0..31] = w[32*panel + j][k]
  * (zero past the last column). R rows x one panel: acc[r][j] = fma(x[r][k], p[k][j], acc[r][j])
  * for k = 0 .. K-1, in order, from 0: the one sequence every output element takes. */
@@ -100,6 +209,8 @@ static void block_##R(const float *x, int64_t ldx, const float *p, float *o, int
 }
 BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6) BLOCK(7) BLOCK(8)
 BLOCK(9) BLOCK(10) BLOCK(11) BLOCK(12)
+
+#endif
 
 typedef void (*block_fn)(const float *, int64_t, const float *, float *, int64_t, int64_t,
                          int64_t);
@@ -148,10 +259,23 @@ static void *run(void *arg)
 
 #define MAX_THREADS 64
 
+/* the shared worker pool (native/pool.c, handed over by native_gemm.py): 0 when it ran the
+ * job, else the threads are started here */
+typedef int (*runner_fn)(void *(*)(void *), void **, int32_t);
+static runner_fn runner;
+void hicache_set_runner(runner_fn fn) { runner = fn; }
+
 /* fn(arg) on the calling thread and threads - 1 more, all taking items from one counter;
  * 0, or -1 if a thread could not be started (the others take its items: the same bits) */
 static int on_threads(void *(*fn)(void *), void *arg, int32_t threads)
 {
+    if (runner && threads > 1) {
+        void *args[MAX_THREADS];
+        for (int t = 0; t < threads; t++)
+            args[t] = arg;
+        if (runner(fn, args, threads) == 0)
+            return 0;
+    }
     pthread_t tid[MAX_THREADS];
     int started[MAX_THREADS];
     int rc = 0;
@@ -344,10 +468,13 @@ int hicache_rowdot_bf16_available(void)
 #endif
 }
 
+/* 1: AVX-512, 2: AVX2 with FMA, 0: portable (the same bits on each) */
 int hicache_rowdot_features(void)
 {
-#ifdef HC_AVX512
+#if defined(HC_AVX512)
     return 1;
+#elif defined(HC_AVX2)
+    return 2;
 #else
     return 0;
 #endif

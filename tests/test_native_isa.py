@@ -1,0 +1,149 @@
+"""The exact path's C kernels give the same bits on every instruction set they are built for.
+
+rowdot.c (products) and attend.c (attention) have an AVX-512 body, an AVX2 body and a portable
+one (one lane at a time). Each output element is one fixed sequence of IEEE operations in all
+three, so a server on an AVX2 machine and one on an AVX-512 machine store and read the same KV
+bits. Here each source is built the ways this CPU can run — as the server builds it
+(``-march=native``), without AVX-512 (the AVX2 body, where the CPU has AVX2) and for the
+baseline x86-64 (the portable body) — and the builds are compared element for element on odd
+shapes that reach every block, tail and mask path, with and without a page table.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+
+import pytest
+import torch
+
+from engine.core import native
+from engine.runtime.model import native_attn, native_gemm
+
+pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
+                                reason="the ISA variants are x86-64's")
+
+_BASE = ["-O3", "-ffp-contract=off", "-shared", "-fPIC", "-pthread"]
+
+
+def _flags_of_cpu() -> str:
+    return native_gemm._cpu_flags()
+
+
+def _variants() -> dict[str, list[str]]:
+    """name -> the -march flags of a build this CPU can run."""
+    flags = _flags_of_cpu().split()
+    out = {"native": ["-march=native"], "portable": ["-march=x86-64"]}
+    if "avx2" in flags and "fma" in flags and "avx512f" in flags:
+        out["avx2"] = ["-march=native", "-mno-avx512f"]
+    return out
+
+
+def _load(source, march: list[str]) -> ctypes.CDLL:
+    try:
+        lib, _ = native.load(source, _BASE + march, key_extra=_flags_of_cpu(),
+                                         libs=("-lm",))
+    except RuntimeError as exc:            # no compiler: the kernels are off here anyway
+        pytest.skip(f"cannot build {source.name}: {exc}")
+    return lib
+
+
+@pytest.fixture(scope="module")
+def rowdot_libs() -> dict[str, ctypes.CDLL]:
+    libs = {}
+    for name, march in _variants().items():
+        lib = _load(native_gemm._SOURCE, march)
+        lib.hicache_rowdot.restype = ctypes.c_int
+        lib.hicache_rowdot.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
+        libs[name] = lib
+    return libs
+
+
+@pytest.fixture(scope="module")
+def attend_libs() -> dict[str, ctypes.CDLL]:
+    libs = {}
+    for name, march in _variants().items():
+        lib = _load(native_attn._SOURCE, march)
+        fn = lib.hicache_attend
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                       ctypes.c_int64, ctypes.c_float, ctypes.c_int32]
+        libs[name] = lib
+    return libs
+
+
+def test_the_builds_say_which_body_they_run(rowdot_libs):
+    feats = {name: lib.hicache_rowdot_features() for name, lib in rowdot_libs.items()}
+    assert feats["portable"] == 0
+    if "avx2" in rowdot_libs:
+        assert feats["avx2"] == 2 and feats["native"] == 1
+    cpu = _flags_of_cpu().split()
+    want = 1 if "avx512f" in cpu else 2 if "avx2" in cpu and "fma" in cpu else 0
+    assert feats["native"] == want
+
+
+# (rows, columns, reduction): one row (decode), 2 (the whole-panel pair), 3-13 (the 6-row
+# tiles and their rests), past one 96-row work item; columns off the 16/32 panel widths
+PRODUCTS = [(1, 45, 83), (2, 45, 83), (3, 33, 7), (7, 100, 64), (13, 31, 576),
+            (37, 65, 129), (100, 96, 50), (5, 16, 9), (1, 8, 1), (12, 17, 300)]
+
+
+@pytest.mark.parametrize("M,N,K", PRODUCTS)
+def test_products_have_the_same_bits_on_every_isa(rowdot_libs, M, N, K):
+    g = torch.Generator().manual_seed(M * 1000 + N * 10 + K)
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+    packed = native_gemm.pack(w)
+    outs = {}
+    for name, lib in rowdot_libs.items():
+        for threads in (1, 3):
+            o = torch.full((M, N), float("nan"))
+            assert lib.hicache_rowdot(x.data_ptr(), K, packed.data_ptr(), o.data_ptr(), N, M,
+                                      N, K, threads) == 0
+            outs[(name, threads)] = o
+    ref = outs[("portable", 1)]
+    assert torch.allclose(ref.double(), x.double() @ w.double().t(), rtol=1e-4, atol=1e-4)
+    for key, o in outs.items():
+        assert torch.equal(o, ref), key
+
+
+# (queries, q-heads, kv-heads, head dim, value dim, keys): decode at a long context, a
+# chunk, odd dims (the 8- and 16-wide transposes' rests), one key
+ATTENTION = [(1, 9, 3, 64, 64, 1030), (16, 9, 3, 64, 64, 300), (21, 6, 2, 40, 72, 53),
+             (5, 4, 4, 13, 7, 9), (1, 2, 1, 8, 8, 1), (3, 8, 2, 24, 20, 37)]
+
+
+@pytest.mark.parametrize("M,Hq,Hkv,D,Dv,T", ATTENTION)
+def test_attention_has_the_same_bits_on_every_isa(attend_libs, M, Hq, Hkv, D, Dv, T):
+    g = torch.Generator().manual_seed(M + Hq + D + T)
+    q = torch.randn(M, Hq, D, generator=g) * 3          # wide scores: exp's whole range
+    k, v = torch.randn(T, Hkv, D, generator=g), torch.randn(T, Hkv, Dv, generator=g)
+    pos = torch.arange(T - M, T)
+    pos[0] = max(0, T - M - 5)                           # a row that sees fewer keys
+    perm = torch.randperm(T + 7, generator=g)[:T].contiguous()
+    kp, vp = torch.zeros(T + 7, Hkv, D), torch.zeros(T + 7, Hkv, Dv)
+    kp[perm], vp[perm] = k, v
+
+    def run(lib, kk, vv, slots, threads):
+        o = torch.full((M, Hq, Dv), float("nan"))
+        assert lib.hicache_attend(q.data_ptr(), kk.data_ptr(), Hkv * D, vv.data_ptr(),
+                                  Hkv * Dv, None if slots is None else slots.data_ptr(),
+                                  pos.data_ptr(), o.data_ptr(), M, Hq, Hkv, D, Dv, 0.3,
+                                  threads) == 0
+        return o
+
+    outs = {}
+    for name, lib in attend_libs.items():
+        outs[(name, "rows", 1)] = run(lib, k, v, None, 1)
+        outs[(name, "pool", 2)] = run(lib, kp, vp, perm, 2)
+    ref = outs[("portable", "rows", 1)]
+    G = Hq // Hkv
+    s = torch.einsum("mhd,thd->hmt", q.double() * 0.3, k.double().repeat_interleave(G, 1))
+    s = s.masked_fill(torch.arange(T)[None, None, :] > pos[None, :, None], float("-inf"))
+    want = torch.einsum("hmt,thd->mhd", s.softmax(-1), v.double().repeat_interleave(G, 1))
+    assert torch.allclose(ref.double(), want, rtol=1e-4, atol=1e-5)
+    for key, o in outs.items():
+        assert torch.equal(o, ref), key
