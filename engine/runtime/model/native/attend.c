@@ -294,11 +294,17 @@ static void pv_avx2(const struct task_args *a, int64_t h, int64_t R, const int64
 }
 #endif
 
+static void transpose_block(const struct task_args *a, int64_t h, int64_t t0, int64_t T,
+                            float *dst);
+
 /* one block of up to RB rows of kv-head h: rows r = blk*RB .. (row r: g = r / M, m = r % M) */
 static void one_block(const struct task_args *a, int64_t h, int64_t blk, float *buf,
-                      float *qb)
+                      float *qb, float *kloc)
 {
-    const int64_t M = a->M, D = a->D, Dv = a->Dv, G = a->Hq / a->Hkv;
+    const int64_t M = a->M, D = a->D, G = a->Hq / a->Hkv;
+#if !defined(HC_AVX2)
+    const int64_t Dv = a->Dv;
+#endif
     const int64_t r0 = blk * RB, R = (M * G - r0) < RB ? (M * G - r0) : RB;
     int64_t mrow[RB], hq[RB], n[RB], tmax = 0;
     for (int64_t r = 0; r < R; r++) {
@@ -315,9 +321,15 @@ static void one_block(const struct task_args *a, int64_t h, int64_t blk, float *
     const int64_t cap = (tmax + 15) / 16 * 16;
     /* scores, 16 keys at a time from the transposed keys: acc[key] = fma chain over
      * d = 0 .. D-1 in order of q[d] * k[key][d], from 0 (the same for any row block) */
-    const float *kth = a->kt + h * a->nblk * D * 16;
+    const float *kth = a->kt ? a->kt + h * a->nblk * D * 16 : 0;
     for (int64_t t0 = 0; t0 < tmax; t0 += 16) {
-        const float *kb = kth + (t0 / 16) * D * 16;
+        const float *kb;
+        if (kth) {
+            kb = kth + (t0 / 16) * D * 16;
+        } else {              /* this block is the kv-head's only one: its keys, here */
+            transpose_block(a, h, t0, tmax, kloc);
+            kb = kloc;
+        }
         for (int64_t r0 = 0; r0 < R; r0 += 4) {
             int64_t RR = R - r0 < 4 ? R - r0 : 4;
             vec acc0 = vzero(), acc1 = vzero(), acc2 = vzero(), acc3 = vzero();
@@ -486,6 +498,41 @@ static void transpose8(const float *const *src, int64_t rows, float *dst)
 #endif
 
 /* phase 1: key blocks (h, b) taken from a shared counter, transposed */
+/* keys t0 .. t0 + 15 of kv-head h (rows past T zero) transposed into dst[d * 16 + j] */
+static void transpose_block(const struct task_args *a, int64_t h, int64_t t0, int64_t T,
+                            float *dst)
+{
+    const int64_t D = a->D;
+    int64_t rows = T - t0 < 16 ? T - t0 : 16;
+    const float *kr[16];
+    for (int64_t j = 0; j < 16; j++) {
+        int64_t t = t0 + (j < rows ? j : 0);
+        kr[j] = a->k + (a->slots ? a->slots[t] : t) * a->ldk + h * D;
+    }
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    for (; d + 16 <= D; d += 16) {
+        const float *src[16];
+        for (int j = 0; j < 16; j++)
+            src[j] = kr[j] + d;
+        transpose16(src, rows, dst + d * 16);
+    }
+#elif defined(HC_AVX2)
+    for (; d + 8 <= D; d += 8)
+        for (int half = 0; half < 2; half++) {
+            const float *src[8];
+            for (int j = 0; j < 8; j++)
+                src[j] = kr[8 * half + j] + d;
+            int64_t left = rows - 8 * half;
+            transpose8(src, left < 0 ? 0 : left, dst + d * 16 + 8 * half);
+        }
+#endif
+    for (; d < D; d++)
+        for (int64_t j = 0; j < 16; j++)
+            dst[d * 16 + j] = j < rows ? kr[j][d] : 0.0f;
+}
+
+/* phase 1: key blocks (h, b) taken from a shared counter, transposed */
 static void *transpose(void *arg)
 {
     struct worker *w = (struct worker *)arg;
@@ -495,35 +542,7 @@ static void *transpose(void *arg)
         int64_t i = __atomic_fetch_add(a->next, 1, __ATOMIC_RELAXED);
         if (i >= a->Hkv * a->nblk)
             break;
-        int64_t h = i / a->nblk, t0 = (i % a->nblk) * 16;
-        float *dst = a->kt + i * D * 16;
-        int64_t rows = T - t0 < 16 ? T - t0 : 16;
-        const float *kr[16];
-        for (int64_t j = 0; j < 16; j++) {
-            int64_t t = t0 + (j < rows ? j : 0);
-            kr[j] = a->k + (a->slots ? a->slots[t] : t) * a->ldk + h * D;
-        }
-        int64_t d = 0;
-#if defined(__AVX512F__)
-        for (; d + 16 <= D; d += 16) {
-            const float *src[16];
-            for (int j = 0; j < 16; j++)
-                src[j] = kr[j] + d;
-            transpose16(src, rows, dst + d * 16);
-        }
-#elif defined(HC_AVX2)
-        for (; d + 8 <= D; d += 8)
-            for (int half = 0; half < 2; half++) {
-                const float *src[8];
-                for (int j = 0; j < 8; j++)
-                    src[j] = kr[8 * half + j] + d;
-                int64_t left = rows - 8 * half;
-                transpose8(src, left < 0 ? 0 : left, dst + d * 16 + 8 * half);
-            }
-#endif
-        for (; d < D; d++)
-            for (int64_t j = 0; j < 16; j++)
-                dst[d * 16 + j] = j < rows ? kr[j][d] : 0.0f;
+        transpose_block(a, i / a->nblk, (i % a->nblk) * 16, T, a->kt + i * D * 16);
     }
     return 0;
 }
@@ -533,7 +552,7 @@ static void *work(void *arg)
     struct worker *w = (struct worker *)arg;
     const struct task_args *a = w->a;
     int64_t cap = (max_visible(a) + 15) / 16 * 16;
-    float *buf = (float *)malloc(sizeof(float) * (size_t)(RB * cap + RB * a->D));
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(RB * cap + RB * a->D + 16 * a->D));
     if (!buf) {
         w->err = 1;
         return 0;
@@ -542,7 +561,8 @@ static void *work(void *arg)
         int64_t t = __atomic_fetch_add(a->next, 1, __ATOMIC_RELAXED);
         if (t >= a->tasks)
             break;
-        one_block(a, t / a->per_head, t % a->per_head, buf, buf + RB * cap);
+        one_block(a, t / a->per_head, t % a->per_head, buf, buf + RB * cap,
+                  buf + RB * cap + RB * a->D);
     }
     free(buf);
     return 0;
@@ -574,11 +594,14 @@ int hicache_attend(const float *q, const float *k, int64_t ldk, const float *v, 
         threads = (int32_t)a.tasks;
     a.threads = threads;
     a.nblk = (max_visible(&a) + 15) / 16;
-    /* the transposed keys: one buffer per calling thread, grown when needed and kept (a fresh
-     * one each call cost more in page faults than the transposition itself) */
+    /* one row block per kv-head (a decode step, a short tail): each task transposes its own
+     * keys a block at a time as it reads them (no phase, no buffer of them all). Else the
+     * transposed keys: one buffer per calling thread, grown when needed and kept (a fresh one
+     * each call cost more in page faults than the transposition itself) */
+    const int fused = per_head == 1;
     static __thread float *kt_buf;
     static __thread size_t kt_cap;
-    size_t need = (size_t)(Hkv * a.nblk * D * 16);
+    size_t need = fused ? 0 : (size_t)(Hkv * a.nblk * D * 16);
     if (need > kt_cap) {
         free(kt_buf);
         kt_cap = need + need / 4;
@@ -588,14 +611,14 @@ int hicache_attend(const float *q, const float *k, int64_t ldk, const float *v, 
             return -1;
         }
     }
-    a.kt = kt_buf;
+    a.kt = fused ? 0 : kt_buf;
     struct worker ws[MAX_THREADS];
     pthread_t tid[MAX_THREADS];
     int started[MAX_THREADS];
     int err = 0;
     int64_t next = 0;
     a.next = &next;
-    for (int phase = 0; phase < 2; phase++) {
+    for (int phase = fused; phase < 2; phase++) {
         void *(*fn)(void *) = phase == 0 ? transpose : work;
         next = 0;
         for (int t = 0; t < threads; t++) {

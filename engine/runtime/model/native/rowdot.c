@@ -108,34 +108,35 @@ static void micro16_##N(const float *x, int64_t ldx, const float *p, float *o,  
     if (R > 4) store4(o + 4 * ldo, a40, a41, a40, a40, cols);                              \
     if (R > 5) store4(o + 5 * ldo, a50, a51, a50, a50, cols);                              \
 }
-/* one or two rows against the whole panel (a decode step: the weight streamed once) */
-#define MICRO32(R)                                                                         \
-static void micro32_##R(const float *x, int64_t ldx, const float *p, float *o,             \
+/* one to three rows against the whole panel, read in order (a decode step or a short tail: the
+ * weight streamed once from memory); the rows' values first, then a weight vector at a time:
+ * 12 accumulators, 3 values and 1 weight vector in the 16 registers */
+#define W_COL(c)                                                                           \
+    {                                                                                      \
+        __m256 wv = _mm256_loadu_ps(pk + 8 * c);                                           \
+        a0##c = _mm256_fmadd_ps(x0, wv, a0##c);                                            \
+        if (R > 1) a1##c = _mm256_fmadd_ps(x1, wv, a1##c);                                 \
+        if (R > 2) a2##c = _mm256_fmadd_ps(x2, wv, a2##c);                                 \
+    }
+#define MICRO32(N)                                                                         \
+static void micro32_##N(const float *x, int64_t ldx, const float *p, float *o,             \
                         int64_t ldo, int64_t K, int64_t cols)                              \
 {                                                                                          \
+    enum { R = N };                                                                        \
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00,          \
-           a11 = a00, a12 = a00, a13 = a00;                                                \
+           a11 = a00, a12 = a00, a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00;    \
     for (int64_t k = 0; k < K; k++) {                                                      \
         const float *pk = p + 32 * k;                                                      \
         _mm_prefetch((const char *)(pk + 32 * 16), _MM_HINT_T0);                           \
         _mm_prefetch((const char *)(pk + 32 * 16 + 16), _MM_HINT_T0);                      \
-        __m256 w0 = _mm256_loadu_ps(pk), w1 = _mm256_loadu_ps(pk + 8),                     \
-               w2 = _mm256_loadu_ps(pk + 16), w3 = _mm256_loadu_ps(pk + 24);               \
         __m256 x0 = _mm256_broadcast_ss(x + k);                                            \
-        a00 = _mm256_fmadd_ps(x0, w0, a00);                                                \
-        a01 = _mm256_fmadd_ps(x0, w1, a01);                                                \
-        a02 = _mm256_fmadd_ps(x0, w2, a02);                                                \
-        a03 = _mm256_fmadd_ps(x0, w3, a03);                                                \
-        if (R > 1) {                                                                       \
-            __m256 x1 = _mm256_broadcast_ss(x + ldx + k);                                  \
-            a10 = _mm256_fmadd_ps(x1, w0, a10);                                            \
-            a11 = _mm256_fmadd_ps(x1, w1, a11);                                            \
-            a12 = _mm256_fmadd_ps(x1, w2, a12);                                            \
-            a13 = _mm256_fmadd_ps(x1, w3, a13);                                            \
-        }                                                                                  \
+        __m256 x1 = R > 1 ? _mm256_broadcast_ss(x + ldx + k) : x0;                         \
+        __m256 x2 = R > 2 ? _mm256_broadcast_ss(x + 2 * ldx + k) : x0;                     \
+        W_COL(0) W_COL(1) W_COL(2) W_COL(3)                                                \
     }                                                                                      \
     store4(o, a00, a01, a02, a03, cols);                                                   \
     if (R > 1) store4(o + ldo, a10, a11, a12, a13, cols);                                  \
+    if (R > 2) store4(o + 2 * ldo, a20, a21, a22, a23, cols);                              \
 }
 
 /* the first `cols` (at most 32) of four vectors of 8, passed by value (an array whose address
@@ -159,7 +160,7 @@ static inline void store4(float *o, __m256 v0, __m256 v1, __m256 v2, __m256 v3, 
     for (int64_t i = cols >= 16 ? 16 : 0; i < cols; i++)
         o[i] = tmp[i];
 }
-MICRO32(1) MICRO32(2)
+MICRO32(1) MICRO32(2) MICRO32(3)
 MICRO16(1) MICRO16(2) MICRO16(3) MICRO16(4) MICRO16(5) MICRO16(6)
 
 typedef void (*micro_fn)(const float *, int64_t, const float *, float *, int64_t, int64_t,
@@ -167,12 +168,22 @@ typedef void (*micro_fn)(const float *, int64_t, const float *, float *, int64_t
 static const micro_fn MICRO16S[7] = {0, micro16_1, micro16_2, micro16_3, micro16_4,
                                      micro16_5, micro16_6};
 
+static const micro_fn MICRO32S[4] = {0, micro32_1, micro32_2, micro32_3};
+
+/* A product of few rows (STREAM_ROWS or fewer) reads each panel from memory once per item:
+ * whole-panel passes of up to 3 rows (the later ones from cache), in order. More rows: 6-row
+ * tiles against half panels (fewer loads per multiply-add). */
+#define STREAM_ROWS 24
 #define BLOCK(R)                                                                           \
 static void block_##R(const float *x, int64_t ldx, const float *p, float *o, int64_t ldo,  \
-                      int64_t K, int64_t cols)                                             \
+                      int64_t K, int64_t cols, int64_t M)                                  \
 {                                                                                          \
-    if (R == 1) { micro32_1(x, ldx, p, o, ldo, K, cols); return; }                          \
-    if (R == 2) { micro32_2(x, ldx, p, o, ldo, K, cols); return; }                          \
+    if (R <= 2 || M <= STREAM_ROWS) {                                                      \
+        for (int r0 = 0; r0 < R; r0 += 3)                                                  \
+            MICRO32S[R - r0 < 3 ? R - r0 : 3](x + r0 * ldx, ldx, p, o + r0 * ldo, ldo, K,  \
+                                              cols);                                       \
+        return;                                                                            \
+    }                                                                                      \
     for (int r0 = 0; r0 < R; r0 += 6) {                                                    \
         int rr = R - r0 < 6 ? R - r0 : 6;                                                  \
         MICRO16S[rr](x + r0 * ldx, ldx, p, o + r0 * ldo, ldo, K, cols < 16 ? cols : 16);   \
@@ -189,8 +200,9 @@ BLOCK(9) BLOCK(10) BLOCK(11) BLOCK(12)
  * for k = 0 .. K-1, in order, from 0: the one sequence every output element takes. */
 #define BLOCK(R)                                                                           \
 static void block_##R(const float *x, int64_t ldx, const float *p, float *o, int64_t ldo,  \
-                      int64_t K, int64_t cols)                                             \
+                      int64_t K, int64_t cols, int64_t M)                                  \
 {                                                                                          \
+    (void)M;                                                                               \
     vec a0[R], a1[R];                                                                      \
     for (int r = 0; r < R; r++) {                                                          \
         a0[r] = vzero();                                                                   \
@@ -213,7 +225,7 @@ BLOCK(9) BLOCK(10) BLOCK(11) BLOCK(12)
 #endif
 
 typedef void (*block_fn)(const float *, int64_t, const float *, float *, int64_t, int64_t,
-                         int64_t);
+                         int64_t, int64_t);
 #define MR 12
 static const block_fn BLOCKS[MR + 1] = {0, block_1, block_2, block_3, block_4, block_5,
                                         block_6, block_7, block_8, block_9, block_10,
@@ -251,7 +263,7 @@ static void *run(void *arg)
         for (int64_t m = m0; m < m1; m += MR) {
             int64_t R = m1 - m < MR ? m1 - m : MR;
             BLOCKS[R](j->x + m * j->ldx, j->ldx, panel, j->o + m * j->ldo + n, j->ldo, j->K,
-                      cols);
+                      cols, j->M);
         }
     }
     return 0;
