@@ -120,15 +120,27 @@ static void micro16_##N(const float *x, int64_t ldx, const float *p, float *o,  
     }
 #define MICRO32(N)                                                                         \
 static void micro32_##N(const float *x, int64_t ldx, const float *p, float *o,             \
-                        int64_t ldo, int64_t K, int64_t cols)                              \
+                        int64_t ldo, int64_t K, int64_t cols, const float *in)             \
 {                                                                                          \
     enum { R = N };                                                                        \
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00,          \
            a11 = a00, a12 = a00, a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00;    \
+    if (in) {                     /* the chains so far (rows 32 floats apart), continued */ \
+        a00 = _mm256_loadu_ps(in); a01 = _mm256_loadu_ps(in + 8);                          \
+        a02 = _mm256_loadu_ps(in + 16); a03 = _mm256_loadu_ps(in + 24);                    \
+        if (R > 1) {                                                                       \
+            a10 = _mm256_loadu_ps(in + 32); a11 = _mm256_loadu_ps(in + 40);                \
+            a12 = _mm256_loadu_ps(in + 48); a13 = _mm256_loadu_ps(in + 56);                \
+        }                                                                                  \
+        if (R > 2) {                                                                       \
+            a20 = _mm256_loadu_ps(in + 64); a21 = _mm256_loadu_ps(in + 72);                \
+            a22 = _mm256_loadu_ps(in + 80); a23 = _mm256_loadu_ps(in + 88);                \
+        }                                                                                  \
+    }                                                                                      \
     for (int64_t k = 0; k < K; k++) {                                                      \
         const float *pk = p + 32 * k;                                                      \
-        _mm_prefetch((const char *)(pk + 32 * 16), _MM_HINT_T0);                           \
-        _mm_prefetch((const char *)(pk + 32 * 16 + 16), _MM_HINT_T0);                      \
+        _mm_prefetch((const char *)(pk + 32 * 64), _MM_HINT_T0);                           \
+        _mm_prefetch((const char *)(pk + 32 * 64 + 16), _MM_HINT_T0);                      \
         __m256 x0 = _mm256_broadcast_ss(x + k);                                            \
         __m256 x1 = R > 1 ? _mm256_broadcast_ss(x + ldx + k) : x0;                         \
         __m256 x2 = R > 2 ? _mm256_broadcast_ss(x + 2 * ldx + k) : x0;                     \
@@ -165,10 +177,33 @@ MICRO16(1) MICRO16(2) MICRO16(3) MICRO16(4) MICRO16(5) MICRO16(6)
 
 typedef void (*micro_fn)(const float *, int64_t, const float *, float *, int64_t, int64_t,
                          int64_t);
+typedef void (*micro32_fn)(const float *, int64_t, const float *, float *, int64_t, int64_t,
+                           int64_t, const float *);
 static const micro_fn MICRO16S[7] = {0, micro16_1, micro16_2, micro16_3, micro16_4,
                                      micro16_5, micro16_6};
 
-static const micro_fn MICRO32S[4] = {0, micro32_1, micro32_2, micro32_3};
+static const micro32_fn MICRO32S[4] = {0, micro32_1, micro32_2, micro32_3};
+
+/* The few-row passes over one panel, KB reduction steps at a time: each step's slice of the
+ * panel comes from memory once and stays in L1 for the other passes (a whole panel per pass
+ * read it from memory in the first pass alone, at memory speed, and from L2 after). The
+ * chains are kept in `acc` between steps: stored and reloaded floats, the same bits. */
+#define KB 64
+static void stream_passes(const float *x, int64_t ldx, const float *p, float *o, int64_t ldo,
+                          int64_t K, int64_t cols, int R)
+{
+    float acc[12 * 32];                      /* MR rows */
+    for (int64_t k0 = 0; k0 < K; k0 += KB) {
+        const int64_t kk = K - k0 < KB ? K - k0 : KB;
+        const int last = k0 + kk == K;
+        for (int r0 = 0; r0 < R; r0 += 3) {
+            const int rr = R - r0 < 3 ? R - r0 : 3;
+            MICRO32S[rr](x + r0 * ldx + k0, ldx, p + 32 * k0,
+                         last ? o + r0 * ldo : acc + r0 * 32, last ? ldo : 32, kk,
+                         last ? cols : 32, k0 ? acc + r0 * 32 : 0);
+        }
+    }
+}
 
 /* A product of few rows (STREAM_ROWS or fewer) reads each panel from memory once per item:
  * whole-panel passes of up to 3 rows (the later ones from cache), in order. More rows: 6-row
@@ -178,10 +213,12 @@ static const micro_fn MICRO32S[4] = {0, micro32_1, micro32_2, micro32_3};
 static void block_##R(const float *x, int64_t ldx, const float *p, float *o, int64_t ldo,  \
                       int64_t K, int64_t cols, int64_t M)                                  \
 {                                                                                          \
-    if (R <= 2 || M <= STREAM_ROWS) {                                                      \
-        for (int r0 = 0; r0 < R; r0 += 3)                                                  \
-            MICRO32S[R - r0 < 3 ? R - r0 : 3](x + r0 * ldx, ldx, p, o + r0 * ldo, ldo, K,  \
-                                              cols);                                       \
+    if (R <= 3) {                                                                          \
+        MICRO32S[R](x, ldx, p, o, ldo, K, cols, 0);                                        \
+        return;                                                                            \
+    }                                                                                      \
+    if (M <= STREAM_ROWS) {                                                                \
+        stream_passes(x, ldx, p, o, ldo, K, cols, R);                                      \
         return;                                                                            \
     }                                                                                      \
     for (int r0 = 0; r0 < R; r0 += 6) {                                                    \
