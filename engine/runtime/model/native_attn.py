@@ -65,6 +65,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     return out
 
 
+def rope_write(qkv: torch.Tensor, Hq: int, Hkv: int, D: int, cos: torch.Tensor,
+               sin: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+               slots: torch.Tensor) -> torch.Tensor:
+    """The new tokens' queries rotated (returned ``[M, Hq, D]``), their keys rotated and their
+    values written to row ``slots[m]`` of ``k_pool``/``v_pool`` (``[slots, Hkv, D]``): the
+    bits of ``ops.apply_rope`` and ``index_copy_`` (elementwise products and sums, each rounded
+    on its own), in one call. float32 on CPU, every operand contiguous."""
+    _fn()
+    M = qkv.shape[0]
+    sl = slots if slots.dtype == torch.int64 and slots.is_contiguous() else \
+        slots.to(torch.int64).contiguous()
+    q = torch.empty((M, Hq, D), dtype=torch.float32)
+    _state["rope"](qkv.data_ptr(), M, Hq, Hkv, D, cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
+                   k_pool.data_ptr(), v_pool.data_ptr(), sl.data_ptr())
+    return q
+
+
 def reset() -> None:
     with _lock:
         _state.clear()
@@ -88,6 +105,13 @@ def _fn():
                     from engine.runtime.model import native_pool
 
                     native_pool.attach(lib)
+                    rope = lib.hicache_rope_write
+                    rope.restype = None
+                    rope.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                     ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                     ctypes.c_void_p, ctypes.c_void_p]
+                    _state["rope"] = rope
                     _state["fn"] = fn
                     _self_test()
                     _state["what"] = f"native ({so.name})"

@@ -110,6 +110,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rot * sin[:, None, :]
 
 
+def native_rope_available(exact: bool, dtype: torch.dtype, device: torch.device,
+                          rope_dim: int, head_dim: int) -> bool:
+    """Whether :func:`rope_write` serves a model: the exact CPU path in float32 with the
+    native kernels on, and RoPE over the whole head."""
+    return (exact and dtype == torch.float32 and device.type == "cpu" and rope_dim == head_dim
+            and head_dim % 2 == 0 and _exact.mode() != "library" and _native_attn.available())
+
+
+def rope_write(qkv: torch.Tensor, Hq: int, Hkv: int, D: int, cos: torch.Tensor,
+               sin: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+               slots: torch.Tensor) -> torch.Tensor:
+    """``qkv [M, (Hq + 2 Hkv) D]`` after the QKV product: the queries rotated (returned,
+    ``[M, Hq, D]``), the keys rotated and the values stored in row ``slots[m]`` of the pool's
+    ``[slots, Hkv, D]`` tensors; the bits of :func:`apply_rope` and ``index_copy_``."""
+    return _native_attn.rope_write(qkv, Hq, Hkv, D, cos, sin, k_pool, v_pool, slots)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
               scale: float, exact: bool = True, tail: bool = False) -> torch.Tensor:
     """Causal attention of queries at absolute positions ``q_pos`` over keys ``0..T-1``.

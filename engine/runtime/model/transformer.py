@@ -231,14 +231,19 @@ class Model:
         M = h.shape[0]
         Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = ops.linear(h, lw.wqkv, self.exact)
-        q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
-        q = ops.apply_rope(q.reshape(M, Hq, D), cos, sin)
-        k = ops.apply_rope(k.reshape(M, Hkv, D), cos, sin)
-        io.write(li, (k, v.reshape(M, Hkv, D)))
+        paged = type(io) is PoolKV             # read the pool through the page table
+        if paged and self._native_rope(qkv, cos, io.kv):
+            # RoPE and the pool write in one native call (the same bits as below)
+            q = ops.rope_write(qkv, Hq, Hkv, D, cos, sin, io.kv[li, 0], io.kv[li, 1],
+                               io.write_slots)
+        else:
+            q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+            q = ops.apply_rope(q.reshape(M, Hq, D), cos, sin)
+            k = ops.apply_rope(k.reshape(M, Hkv, D), cos, sin)
+            io.write(li, (k, v.reshape(M, Hkv, D)))
         for hook in hooks:
             hook(li)
         out = torch.empty_like(q)
-        paged = type(io) is PoolKV             # read the pool through the page table
         for i, (s, e) in enumerate(bounds):
             if paged:
                 out[s:e] = ops.attention_paged(q[s:e], io.kv[li, 0], io.kv[li, 1],
@@ -250,6 +255,17 @@ class Model:
                                      tail=True)
         io.done(li)
         return out.reshape(M, Hq * D)
+
+    def _native_rope(self, qkv: torch.Tensor, cos: torch.Tensor, kv: torch.Tensor) -> bool:
+        """Whether this layer's RoPE and KV write can take the native call: the exact CPU path
+        in float32 with the native kernels, contiguous operands, full-width rotary."""
+        ok = self.__dict__.get("_rope_ok")
+        if ok is None:
+            ok = self._rope_ok = ops.native_rope_available(self.exact, self.dtype, self.device,
+                                                           self.cfg.rope_dim,
+                                                           self.cfg.head_dim)
+        return ok and qkv.is_contiguous() and cos.is_contiguous() and kv.is_contiguous() \
+            and kv.dtype == torch.float32
 
     def _mla(self, lw: LayerWeights, li: int, h: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor, io: PoolKV, bounds: list[tuple[int, int]], pos: torch.Tensor,

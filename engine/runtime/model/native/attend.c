@@ -641,3 +641,37 @@ int hicache_attend(const float *q, const float *k, int64_t ldk, const float *v, 
     }
     return err ? -1 : 0;
 }
+
+/* RoPE of one head row in Hugging Face's "rotate half" convention, as ops.apply_rope computes
+ * it: out[d] = x[d] * cos[d] + rot[d] * sin[d], rot = (-x[h..D-1], x[0..h-1]), each product and
+ * the sum rounded on their own (no fused multiply-add: the build has -ffp-contract=off), so the
+ * bits are torch's three elementwise kernels' */
+static void rope_row(const float *x, const float *c, const float *s, float *out, int64_t D)
+{
+    const int64_t half = D / 2;
+    for (int64_t d = 0; d < D; d++) {
+        float rot = d < half ? -x[d + half] : x[d - half];
+        float a = x[d] * c[d];
+        float b = rot * s[d];
+        out[d] = a + b;
+    }
+}
+
+/* A layer's new tokens after the QKV product, in one call: qkv [M][(Hq + 2 Hkv) D] (q, k, v of
+ * each token), cos/sin [M][D]; q_out [M][Hq][D] gets the rotated queries, and row slots[m] of
+ * the pool's k and v ([slots][Hkv][D]) the rotated key and the value of token m. */
+void hicache_rope_write(const float *qkv, int64_t M, int64_t Hq, int64_t Hkv, int64_t D,
+                        const float *cos, const float *sin, float *q_out, float *k_pool,
+                        float *v_pool, const int64_t *slots)
+{
+    const int64_t W = (Hq + 2 * Hkv) * D;
+    for (int64_t m = 0; m < M; m++) {
+        const float *row = qkv + m * W, *c = cos + m * D, *s = sin + m * D;
+        for (int64_t h = 0; h < Hq; h++)
+            rope_row(row + h * D, c, s, q_out + (m * Hq + h) * D, D);
+        float *kd = k_pool + slots[m] * Hkv * D, *vd = v_pool + slots[m] * Hkv * D;
+        for (int64_t h = 0; h < Hkv; h++)
+            rope_row(row + (Hq + h) * D, c, s, kd + h * D, D);
+        memcpy(vd, row + (Hq + Hkv) * D, sizeof(float) * (size_t)(Hkv * D));
+    }
+}

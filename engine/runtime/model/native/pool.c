@@ -27,7 +27,8 @@ typedef void *(*job_fn)(void *);
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;     /* held by the caller of a job */
 static pthread_mutex_t sleep_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t sleep_cv = PTHREAD_COND_INITIALIZER;
+static pthread_cond_t wake[MAX_WORKERS + 1];             /* one per worker */
+static int asleep[MAX_WORKERS + 1];                       /* under sleep_mu */
 static int workers;                                       /* started, alive in this process */
 /* the job's ticket: its number times 256 plus how many workers take part (1 .. that count):
  * one word, so a worker never pairs one job's number with another's count */
@@ -36,7 +37,6 @@ static job_fn job;
 static void *job_args[MAX_WORKERS + 1];
 static uint64_t born[MAX_WORKERS + 1];     /* the job number when worker i was started */
 static int job_done;
-static int sleepers;
 static int forked;                                        /* set in a forked child */
 static int64_t wait_ns = WAIT_NS;     /* 0 while a job has more threads than cores: sleep */
 
@@ -51,26 +51,30 @@ static void *worker(void *arg)
 {
     const int id = (int)(intptr_t)arg;
     uint64_t seen = born[id];      /* the jobs after it are its own to look at */
+    int64_t until = now_ns() + __atomic_load_n(&wait_ns, __ATOMIC_RELAXED);
     for (;;) {
-        int64_t until = now_ns() + __atomic_load_n(&wait_ns, __ATOMIC_RELAXED);
-        uint64_t t;
-        while ((t = __atomic_load_n(&ticket, __ATOMIC_ACQUIRE)) >> 8 == seen) {
-            if (now_ns() > until) {
-                pthread_mutex_lock(&sleep_mu);
-                sleepers++;
-                while ((t = __atomic_load_n(&ticket, __ATOMIC_ACQUIRE)) >> 8 == seen)
-                    pthread_cond_wait(&sleep_cv, &sleep_mu);
-                sleepers--;
-                pthread_mutex_unlock(&sleep_mu);
-                break;
+        uint64_t t = __atomic_load_n(&ticket, __ATOMIC_ACQUIRE);
+        if (t >> 8 != seen) {
+            seen = t >> 8;
+            if (id <= (int)(t & 0xFF)) {
+                job(job_args[id]);
+                __atomic_add_fetch(&job_done, 1, __ATOMIC_ACQ_REL);
+                /* only a worker that had work looks for more: one a job left out (a small
+                 * call takes fewer threads) goes back to sleep */
+                until = now_ns() + __atomic_load_n(&wait_ns, __ATOMIC_RELAXED);
             }
+            continue;
+        }
+        if (now_ns() <= until) {
             sched_yield();
+            continue;
         }
-        seen = t >> 8;
-        if (id <= (int)(t & 0xFF)) {
-            job(job_args[id]);
-            __atomic_add_fetch(&job_done, 1, __ATOMIC_ACQ_REL);
-        }
+        pthread_mutex_lock(&sleep_mu);
+        asleep[id] = 1;
+        while (__atomic_load_n(&ticket, __ATOMIC_ACQUIRE) >> 8 == seen)
+            pthread_cond_wait(&wake[id], &sleep_mu);
+        asleep[id] = 0;
+        pthread_mutex_unlock(&sleep_mu);
     }
     return 0;
 }
@@ -80,11 +84,15 @@ static void after_fork_child(void)
     forked = 1;                    /* the workers are the parent's: never wait for them */
     pthread_mutex_init(&mu, 0);
     pthread_mutex_init(&sleep_mu, 0);
-    pthread_cond_init(&sleep_cv, 0);
 }
 
 static pthread_once_t once = PTHREAD_ONCE_INIT;
-static void at_load(void) { pthread_atfork(0, 0, after_fork_child); }
+static void at_load(void)
+{
+    for (int i = 0; i <= MAX_WORKERS; i++)
+        pthread_cond_init(&wake[i], 0);
+    pthread_atfork(0, 0, after_fork_child);
+}
 
 /* fn(args[0]) on the calling thread and fn(args[t]) on workers t = 1 .. threads - 1.
  * Returns 0 when the pool ran it, 1 when the caller must start its own threads (the pool is in
@@ -125,8 +133,9 @@ int hicache_pool_run(job_fn fn, void **args, int32_t threads)
     pthread_mutex_lock(&sleep_mu);
     uint64_t next = ((__atomic_load_n(&ticket, __ATOMIC_ACQUIRE) >> 8) + 1) << 8;
     __atomic_store_n(&ticket, next | (uint64_t)(threads - 1), __ATOMIC_RELEASE);
-    if (sleepers)
-        pthread_cond_broadcast(&sleep_cv);
+    for (int t = 1; t < threads; t++)       /* wake only the sleepers this job needs */
+        if (asleep[t])
+            pthread_cond_signal(&wake[t]);
     pthread_mutex_unlock(&sleep_mu);
     fn(args[0]);
     while (__atomic_load_n(&job_done, __ATOMIC_ACQUIRE) < threads - 1)
