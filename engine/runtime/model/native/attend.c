@@ -226,6 +226,36 @@ struct task_args {
 struct worker { const struct task_args *a; int32_t id; int err; };
 
 #if defined(HC_AVX2)
+/* Scores of a block's rows against 16 keys (kb: the keys transposed, [D][16]) for AVX2:
+ * 6 rows at a time in 12 named registers (the 16 keys of one row in two), each key's score
+ * the same fma chain over d = 0 .. D-1 in order, from 0 */
+#define SC_ROW(r)                                                                          \
+    if (RR > r) {                                                                          \
+        __m256 b = _mm256_broadcast_ss(q0 + r * D + d);                                    \
+        s##r##0 = _mm256_fmadd_ps(b, k0, s##r##0);                                         \
+        s##r##1 = _mm256_fmadd_ps(b, k1, s##r##1);                                         \
+    }
+#define SC_STORE(r)                                                                        \
+    if (RR > r) {                                                                          \
+        _mm256_storeu_ps(out + (r0 + r) * cap, s##r##0);                                   \
+        _mm256_storeu_ps(out + (r0 + r) * cap + 8, s##r##1);                               \
+    }
+static void scores_avx2(const float *kb, const float *qb, int64_t D, int64_t R, float *out,
+                        int64_t cap)
+{
+    for (int64_t r0 = 0; r0 < R; r0 += 6) {
+        const int64_t RR = R - r0 < 6 ? R - r0 : 6;
+        const float *q0 = qb + r0 * D;
+        __m256 s00 = _mm256_setzero_ps(), s01 = s00, s10 = s00, s11 = s00, s20 = s00,
+               s21 = s00, s30 = s00, s31 = s00, s40 = s00, s41 = s00, s50 = s00, s51 = s00;
+        for (int64_t d = 0; d < D; d++) {
+            __m256 k0 = _mm256_loadu_ps(kb + d * 16), k1 = _mm256_loadu_ps(kb + d * 16 + 8);
+            SC_ROW(0) SC_ROW(1) SC_ROW(2) SC_ROW(3) SC_ROW(4) SC_ROW(5)
+        }
+        SC_STORE(0) SC_STORE(1) SC_STORE(2) SC_STORE(3) SC_STORE(4) SC_STORE(5)
+    }
+}
+
 #define PV_ACC(r, ok)                                                                      \
     if (RR > r && (ok)) {                                                                  \
         __m256 p = _mm256_broadcast_ss(buf + (rs + r) * cap + t);                          \
@@ -234,63 +264,96 @@ struct worker { const struct task_args *a; int32_t id; int err; };
         c##r##2 = _mm256_fmadd_ps(p, v2, c##r##2);                                         \
         c##r##3 = _mm256_fmadd_ps(p, v3, c##r##3);                                         \
     }
-#define PV_STORE(r)                                                                        \
+#define PV_KEEP(r, op)                                                                     \
     if (RR > r) {                                                                          \
-        float *orow = a->o + (mrow[rs + r] * a->Hq + hq[rs + r]) * Dv + d0;                \
-        if (w == 32) {                                                                     \
-            _mm256_storeu_ps(orow, c##r##0);                                               \
-            _mm256_storeu_ps(orow + 8, c##r##1);                                           \
-            _mm256_storeu_ps(orow + 16, c##r##2);                                          \
-            _mm256_storeu_ps(orow + 24, c##r##3);                                          \
-        } else {                                                                           \
-            _mm256_maskstore_ps(orow, lanes((int32_t)w), c##r##0);                         \
-            _mm256_maskstore_ps(orow + 8, lanes((int32_t)w - 8), c##r##1);                 \
-            _mm256_maskstore_ps(orow + 16, lanes((int32_t)w - 16), c##r##2);               \
-            _mm256_maskstore_ps(orow + 24, lanes((int32_t)w - 24), c##r##3);               \
-        }                                                                                  \
+        float *ar = acc + (rs + r) * Dp + d0;                                              \
+        op(r)                                                                              \
     }
+#define PV_LOAD(r)                                                                         \
+    c##r##0 = _mm256_loadu_ps(ar); c##r##1 = _mm256_loadu_ps(ar + 8);                      \
+    c##r##2 = _mm256_loadu_ps(ar + 16); c##r##3 = _mm256_loadu_ps(ar + 24);
+#define PV_SAVE(r)                                                                         \
+    _mm256_storeu_ps(ar, c##r##0); _mm256_storeu_ps(ar + 8, c##r##1);                      \
+    _mm256_storeu_ps(ar + 16, c##r##2); _mm256_storeu_ps(ar + 24, c##r##3);
+#define PV_KEYS 64
 /* P @ V for AVX2 (16 registers): 3 rows x 32 value columns at a time in named registers, keys
- * in order; each output the same fma chain over its row's keys as in the 64-column loop */
+ * in order. The keys go PV_KEYS at a time, every row and column of the block over them before
+ * the next ones (their value rows read from memory once, then from L1 for the other passes);
+ * the chains are kept in `acc` [R][Dp] between key chunks: stored and reloaded floats, so each
+ * output is the same fma chain over its row's keys as in the 64-column loop. */
 static void pv_avx2(const struct task_args *a, int64_t h, int64_t R, const int64_t *n,
-                    const int64_t *mrow, const int64_t *hq, const float *buf, int64_t cap)
+                    const int64_t *mrow, const int64_t *hq, const float *buf, int64_t cap,
+                    float *acc)
 {
-    const int64_t Dv = a->Dv;
-    for (int64_t d0 = 0; d0 < Dv; d0 += 32) {
-        const int64_t w = Dv - d0 < 32 ? Dv - d0 : 32;
-        const __m256i l0 = lanes((int32_t)w), l1 = lanes((int32_t)w - 8),
-                      l2 = lanes((int32_t)w - 16), l3 = lanes((int32_t)w - 24);
-        for (int64_t rs = 0; rs < R; rs += 3) {
-            const int64_t RR = R - rs < 3 ? R - rs : 3;
-            int64_t nmin = n[rs], nmax = n[rs];
-            for (int64_t r = 1; r < RR; r++) {
-                if (n[rs + r] > nmax) nmax = n[rs + r];
-                if (n[rs + r] < nmin) nmin = n[rs + r];
-            }
-            __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c03 = c00, c10 = c00,
-                   c11 = c00, c12 = c00, c13 = c00, c20 = c00, c21 = c00, c22 = c00,
-                   c23 = c00;
-            for (int64_t t = 0; t < nmax; t++) {
-                const float *vr = a->v + (a->slots ? a->slots[t] : t) * a->ldv + h * Dv + d0;
-                __m256 v0, v1, v2, v3;
-                if (w == 32) {
-                    v0 = _mm256_loadu_ps(vr);
-                    v1 = _mm256_loadu_ps(vr + 8);
-                    v2 = _mm256_loadu_ps(vr + 16);
-                    v3 = _mm256_loadu_ps(vr + 24);
-                } else {
-                    v0 = _mm256_maskload_ps(vr, l0);
-                    v1 = _mm256_maskload_ps(vr + 8, l1);
-                    v2 = _mm256_maskload_ps(vr + 16, l2);
-                    v3 = _mm256_maskload_ps(vr + 24, l3);
+    const int64_t Dv = a->Dv, Dp = (Dv + 31) / 32 * 32;
+    int64_t nmax = 0;
+    for (int64_t r = 0; r < R; r++)
+        if (n[r] > nmax)
+            nmax = n[r];
+    for (int64_t t0 = 0; t0 < nmax; t0 += PV_KEYS) {
+        const int64_t t1 = nmax - t0 < PV_KEYS ? nmax : t0 + PV_KEYS;
+        for (int64_t d0 = 0; d0 < Dv; d0 += 32) {
+            const int64_t w = Dv - d0 < 32 ? Dv - d0 : 32;
+            const __m256i l0 = lanes((int32_t)w), l1 = lanes((int32_t)w - 8),
+                          l2 = lanes((int32_t)w - 16), l3 = lanes((int32_t)w - 24);
+            for (int64_t rs = 0; rs < R; rs += 3) {
+                const int64_t RR = R - rs < 3 ? R - rs : 3;
+                int64_t nmin = n[rs];
+                for (int64_t r = 1; r < RR; r++)
+                    if (n[rs + r] < nmin)
+                        nmin = n[rs + r];
+                __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c03 = c00,
+                       c10 = c00, c11 = c00, c12 = c00, c13 = c00, c20 = c00, c21 = c00,
+                       c22 = c00, c23 = c00;
+                if (t0) {
+                    PV_KEEP(0, PV_LOAD) PV_KEEP(1, PV_LOAD) PV_KEEP(2, PV_LOAD)
                 }
-                const int all = t < nmin;
-                PV_ACC(0, all || t < n[rs])
-                PV_ACC(1, all || t < n[rs + 1])
-                PV_ACC(2, all || t < n[rs + 2])
+                /* keys every row of the group sees: the rows' probabilities first, then a
+                 * value vector at a time (12 accumulators, 3 probabilities, 1 value) */
+                const int64_t tm = t1 < nmin ? t1 : nmin > t0 ? nmin : t0;
+                for (int64_t t = t0; t < tm; t++) {
+                    const float *vr = a->v + (a->slots ? a->slots[t] : t) * a->ldv + h * Dv
+                                      + d0;
+                    const __m256 p0 = _mm256_broadcast_ss(buf + rs * cap + t);
+                    const __m256 p1 = _mm256_broadcast_ss(buf + (rs + (RR > 1)) * cap + t);
+                    const __m256 p2 = _mm256_broadcast_ss(buf + (rs + (RR > 2) * 2) * cap + t);
+#define PV_COL(c, lc)                                                                      \
+                    {                                                                      \
+                        __m256 vv = w == 32 ? _mm256_loadu_ps(vr + 8 * c)                  \
+                                            : _mm256_maskload_ps(vr + 8 * c, lc);          \
+                        c0##c = _mm256_fmadd_ps(p0, vv, c0##c);                            \
+                        c1##c = _mm256_fmadd_ps(p1, vv, c1##c);                            \
+                        c2##c = _mm256_fmadd_ps(p2, vv, c2##c);                            \
+                    }
+                    PV_COL(0, l0) PV_COL(1, l1) PV_COL(2, l2) PV_COL(3, l3)
+#undef PV_COL
+                }
+                /* the rest: each row up to its own last key (rows past RR are never kept) */
+                for (int64_t t = tm; t < t1; t++) {
+                    const float *vr = a->v + (a->slots ? a->slots[t] : t) * a->ldv + h * Dv
+                                      + d0;
+                    __m256 v0, v1, v2, v3;
+                    if (w == 32) {
+                        v0 = _mm256_loadu_ps(vr);
+                        v1 = _mm256_loadu_ps(vr + 8);
+                        v2 = _mm256_loadu_ps(vr + 16);
+                        v3 = _mm256_loadu_ps(vr + 24);
+                    } else {
+                        v0 = _mm256_maskload_ps(vr, l0);
+                        v1 = _mm256_maskload_ps(vr + 8, l1);
+                        v2 = _mm256_maskload_ps(vr + 16, l2);
+                        v3 = _mm256_maskload_ps(vr + 24, l3);
+                    }
+                    PV_ACC(0, t < n[rs])
+                    PV_ACC(1, t < n[rs + 1])
+                    PV_ACC(2, t < n[rs + 2])
+                }
+                PV_KEEP(0, PV_SAVE) PV_KEEP(1, PV_SAVE) PV_KEEP(2, PV_SAVE)
             }
-            PV_STORE(0) PV_STORE(1) PV_STORE(2)
         }
     }
+    for (int64_t r = 0; r < R; r++)
+        memcpy(a->o + (mrow[r] * a->Hq + hq[r]) * Dv, acc + r * Dp, sizeof(float) * (size_t)Dv);
 }
 #endif
 
@@ -330,6 +393,10 @@ static void one_block(const struct task_args *a, int64_t h, int64_t blk, float *
             transpose_block(a, h, t0, tmax, kloc);
             kb = kloc;
         }
+#if defined(HC_AVX2)
+        scores_avx2(kb, qb, D, R, buf + t0, cap);
+        continue;
+#endif
         for (int64_t r0 = 0; r0 < R; r0 += 4) {
             int64_t RR = R - r0 < 4 ? R - r0 : 4;
             vec acc0 = vzero(), acc1 = vzero(), acc2 = vzero(), acc3 = vzero();
@@ -377,7 +444,7 @@ static void one_block(const struct task_args *a, int64_t h, int64_t blk, float *
         }
     }
 #if defined(HC_AVX2)
-    pv_avx2(a, h, R, n, mrow, hq, buf, cap);
+    pv_avx2(a, h, R, n, mrow, hq, buf, cap, kloc + 16 * D);
 #else
     /* P @ V: 4 rows x 64 value columns at a time, keys in order */
     for (int64_t d0 = 0; d0 < Dv; d0 += 64) {
@@ -552,7 +619,9 @@ static void *work(void *arg)
     struct worker *w = (struct worker *)arg;
     const struct task_args *a = w->a;
     int64_t cap = (max_visible(a) + 15) / 16 * 16;
-    float *buf = (float *)malloc(sizeof(float) * (size_t)(RB * cap + RB * a->D + 16 * a->D));
+    const int64_t Dp = (a->Dv + 31) / 32 * 32;      /* pv_avx2's chains between key chunks */
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(RB * cap + RB * a->D + 16 * a->D +
+                                                          RB * Dp));
     if (!buf) {
         w->err = 1;
         return 0;
