@@ -69,7 +69,8 @@ def attend_libs() -> dict[str, ctypes.CDLL]:
         fn = lib.hicache_attend
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                       ctypes.c_void_p,
                        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                        ctypes.c_int64, ctypes.c_float, ctypes.c_int32]
         libs[name] = lib
@@ -131,8 +132,8 @@ def test_attention_has_the_same_bits_on_every_isa(attend_libs, M, Hq, Hkv, D, Dv
         o = torch.full((M, Hq, Dv), float("nan"))
         assert lib.hicache_attend(q.data_ptr(), kk.data_ptr(), Hkv * D, vv.data_ptr(),
                                   Hkv * Dv, None if slots is None else slots.data_ptr(),
-                                  pos.data_ptr(), o.data_ptr(), M, Hq, Hkv, D, Dv, 0.3,
-                                  threads) == 0
+                                  0 if slots is None else len(slots), pos.data_ptr(),
+                                  o.data_ptr(), M, Hq, Hkv, D, Dv, 0.3, threads) == 0
         return o
 
     outs = {}
@@ -147,3 +148,18 @@ def test_attention_has_the_same_bits_on_every_isa(attend_libs, M, Hq, Hkv, D, Dv
     assert torch.allclose(ref.double(), want, rtol=1e-4, atol=1e-5)
     for key, o in outs.items():
         assert torch.equal(o, ref), key
+
+
+def test_attention_refuses_a_read_past_the_page_table():
+    """The bounds are checked in C for every query (a short page table is an error, not a
+    read of whatever memory follows it)."""
+    if not native_attn.available():
+        pytest.skip(f"native attention: {native_attn.describe()}")
+    q, k, v = torch.randn(3, 4, 8), torch.randn(20, 2, 8), torch.randn(20, 2, 8)
+    pos = torch.tensor([5, 6, 7])
+    with pytest.raises(ValueError, match="past its page table"):
+        native_attn.attention(q, k, v, pos, 0.3, slots=torch.arange(7))     # needs 8
+    with pytest.raises(ValueError, match="negative position"):
+        native_attn.attention(q, k, v, torch.tensor([5, -1, 7]), 0.3, slots=torch.arange(8))
+    got = native_attn.attention(q, k, v, pos, 0.3, slots=torch.arange(8))
+    assert torch.equal(got, native_attn.attention(q, k[:8], v[:8], pos, 0.3))

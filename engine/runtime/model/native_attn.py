@@ -52,15 +52,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     qc = q.contiguous()
     kc = k if k.is_contiguous() else k.contiguous()
     vc = v if v.is_contiguous() else v.contiguous()
-    pos = q_pos.to(torch.int64).contiguous()
-    sl = None if slots is None else slots.to(torch.int64).contiguous()
-    if sl is not None and len(sl) <= int(pos.max()):
-        raise ValueError("native attention: fewer slots than visible keys")
+    pos = q_pos if q_pos.dtype == torch.int64 and q_pos.is_contiguous() else \
+        q_pos.to(torch.int64).contiguous()
+    sl = slots if slots is None or (slots.dtype == torch.int64 and slots.is_contiguous()) \
+        else slots.to(torch.int64).contiguous()
     out = torch.empty((M, Hq, Dv), dtype=torch.float32)
     t = torch.get_num_threads() if threads is None else threads
-    if fn(qc.data_ptr(), kc.data_ptr(), Hkv * D, vc.data_ptr(), Hkv * Dv,
-          None if sl is None else sl.data_ptr(), pos.data_ptr(), out.data_ptr(), M, Hq, Hkv,
-          D, Dv, float(scale), t) != 0:
+    rc = fn(qc.data_ptr(), kc.data_ptr(), Hkv * D, vc.data_ptr(), Hkv * Dv,
+            None if sl is None else sl.data_ptr(), 0 if sl is None else len(sl),
+            pos.data_ptr(), out.data_ptr(), M, Hq, Hkv, D, Dv, float(scale), t)
+    if rc == -3:                          # checked in C: the bounds of every query's read
+        raise ValueError("native attention: a query would read past its page table "
+                         "(fewer slots than visible keys, or a negative position)")
+    if rc != 0:
         raise MemoryError("native attention: no memory for its score buffers")
     return out
 
@@ -98,6 +102,7 @@ def _fn():
                     fn.restype = ctypes.c_int
                     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                   ctypes.c_int64,
                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                    ctypes.c_int64,
                                    ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,

@@ -69,6 +69,8 @@ def silu(x: torch.Tensor, exact: bool = True) -> torch.Tensor:
     if not exact:
         return F.silu(x)
     width = x.shape[-1]
+    if width % _VEC_ALIGN == 0 and x.numel() <= _ELEMWISE_BLOCK and x.is_contiguous():
+        return F.silu(x)          # one piece already (a decode step's): the loop's one call
     padded = -(-width // _VEC_ALIGN) * _VEC_ALIGN
     xp = (x if padded == width else F.pad(x, (0, padded - width))).contiguous()
     flat = xp.view(-1)
@@ -79,9 +81,15 @@ def silu(x: torch.Tensor, exact: bool = True) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * w.float()).to(x.dtype)
+    """``x / sqrt(mean(x²) + eps) * w`` in float32. The same kernels in the same order whatever
+    the dtype (in place where the value is this function's own: the same bits, fewer
+    allocations; a decode step calls this twice a layer)."""
+    xf = x if x.dtype == torch.float32 else x.float()
+    ms = xf.pow(2).mean(-1, keepdim=True)
+    ms.add_(eps).rsqrt_()
+    y = xf * ms
+    y.mul_(w if w.dtype == torch.float32 else w.float())
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 def rope_tables(dim: int, max_pos: int, theta: float, device: torch.device | str,

@@ -644,14 +644,19 @@ static runner_fn runner;
 void hicache_set_runner(runner_fn fn) { runner = fn; }
 
 /* q [M, Hq, D], k rows of ldk floats (kv-head h at h*D), v rows of ldv floats (h at h*Dv),
- * key t in row slots[t] of both (slots NULL: row t), pos [M] (query m sees keys 0..pos[m]),
- * o [M, Hq, Dv]. Returns 0, or -1 on no memory. */
+ * key t in row slots[t] of both (slots NULL: row t; nslots entries), pos [M] (query m sees
+ * keys 0..pos[m]), o [M, Hq, Dv]. Returns 0, -1 on no memory, -3 if a query would read past
+ * the slots (or has a negative position). */
 int hicache_attend(const float *q, const float *k, int64_t ldk, const float *v, int64_t ldv,
-                   const int64_t *slots, const int64_t *pos, float *o, int64_t M, int64_t Hq,
-                   int64_t Hkv, int64_t D, int64_t Dv, float scale, int32_t threads)
+                   const int64_t *slots, int64_t nslots, const int64_t *pos, float *o,
+                   int64_t M, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, float scale,
+                   int32_t threads)
 {
     if (M <= 0)
         return 0;
+    for (int64_t m = 0; m < M; m++)       /* a page table shorter than the keys to read */
+        if (pos[m] < 0 || (slots && pos[m] >= nslots))
+            return -3;
     int64_t per_head = (M * (Hq / Hkv) + RB - 1) / RB;
     struct task_args a = {q, k, v, pos, slots, o, M, Hq, Hkv, D, Dv, ldk, ldv, scale,
                           per_head * Hkv, per_head, 1, 0, 0, 0};
