@@ -9,8 +9,10 @@ Usage:
 
 Default mode, per prompt length (random tokens, the same on every side):
 
-* **limits** measured here first: fp32 GEMM GFLOP/s (a 2048³ ``torch.mm``, best of 5) and
-  memory read bandwidth (a sum over 512 MB, best of 5), at the thread count used. The prefill
+* **limits** measured here at the start of every round: fp32 GEMM GFLOP/s (a 2048³
+  ``torch.mm``, best of 5) and memory read bandwidth (a sum over 512 MB, best of 5), at the
+  thread count used; the best of the rounds is the limit (on a shared machine one measurement
+  moved by 1.5-2x between runs, and the best of several is the machine's, as for the sides). The prefill
   limit is GEMM FLOP/s over the FLOPs of one prompt token (2 x the layers' weights, plus the
   causal attention's 2·T·heads·head_dim per layer on average); the decode limit is the read
   bandwidth over the bytes one decode step must read (every layer weight and the LM head in
@@ -249,6 +251,11 @@ def report(a) -> None:
     sides = ["hicache", "hf"] + ([] if a.no_torch_kernels else ["torch"]) + \
         ([] if bf_model is None else ["bf16"])
     for r in range(a.repeat):
+        if r:      # the limits too, every round: the best of them, as of every side
+            gflops = max(gflops, gemm_gflops())
+            if bf_model is not None:
+                gflops_bf16 = max(gflops_bf16, gemm_gflops(dtype="bfloat16"))
+            gbps = max(gbps, read_gbps())
         order = sides if r % 2 == 0 else sides[::-1]
         for side in order:
             if side == "torch":                  # the same exact path on the torch kernels
@@ -327,7 +334,7 @@ def report(a) -> None:
           f"{a.repeat} interleaved rounds; hicache exact path, {a.chunk}-token prefill chunks")
     print(f"machine: fp32 GEMM {gflops:.0f} GFLOP/s (2048^3)"
           + (f", bf16 GEMM {gflops_bf16:.0f} GFLOP/s" if gflops_bf16 else "")
-          + f", read bandwidth {gbps:.1f} GB/s")
+          + f", read bandwidth {gbps:.1f} GB/s (best of the {a.repeat} rounds' measurements)")
     print("transformers: " + (f"{hf_meta['version']} ({hf_meta['threads']} threads), same GGUF "
                               "weights in float32, SDPA" if use_hf else f"skipped ({hf_why})"))
     for row in rows:
