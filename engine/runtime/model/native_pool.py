@@ -1,5 +1,6 @@
-"""The worker threads the exact path's C kernels share: ``native/pool.c``, built like
-:mod:`engine.runtime.model.native_gemm` and handed to each kernel library as it loads.
+"""The worker threads the exact path's C kernels share: ``native/pool.c``, built into the same
+cache as :mod:`engine.runtime.model.native_gemm`'s kernels and handed to each kernel library as
+it loads (the kernels import this module, never the other way).
 
 Threads started per call (37 us each on a 2-core VM) came too late for a decode step's
 products (150-600 us each): two threads read the weights no faster than one. The pool's
@@ -25,6 +26,7 @@ ENV = "HICACHE_EXACT_POOL"
 _SOURCE = Path(__file__).with_name("native") / "pool.c"
 _lock = threading.Lock()
 _state: dict = {}
+_FLAGS = ["-O2", "-shared", "-fPIC", "-pthread"]   # no -march: it computes nothing
 
 
 def enabled() -> bool:
@@ -36,10 +38,10 @@ def _lib():
     if lib is None:
         with _lock:
             if _state.get("lib") is None:
-                from engine.runtime.model import native_gemm
+                from engine.core import native
 
                 try:
-                    lib, _ = native_gemm.load_library(_SOURCE)
+                    lib, _ = native.load(_SOURCE, _FLAGS)
                     lib.hicache_pool_workers.restype = ctypes.c_int
                     _state["what"] = "shared workers"
                 except Exception as exc:   # the kernels then start their threads per call
