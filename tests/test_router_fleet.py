@@ -352,10 +352,12 @@ def test_bench_replicas_a_router_killed_mid_run_reports_and_finishes():
     killed: list[int] = []
     ports: dict[int, list[str]] = {}
 
+    before = set(_children("sglang"))    # another test's router (a module fixture's): not ours
+
     def killer() -> None:
         deadline = time.monotonic() + 150
         while time.monotonic() < deadline and not killed:
-            for pid in _children("sglang"):
+            for pid in set(_children("sglang")) - before:
                 try:                    # its arguments, until it retitles itself sglang::router
                     with open(f"/proc/{pid}/cmdline", "rb") as f:
                         m = re.search(r"--port (\d+)", f.read().replace(b"\0", b" ").decode())
@@ -397,7 +399,7 @@ def test_bench_replicas_a_router_killed_mid_run_reports_and_finishes():
     run = json.loads(r.stdout)["runs"]["round_robin"]
     assert run["router_exit"] == -signal.SIGKILL
     assert run["requests"]["ok"] > 0 and run["errors_by_status"].get("connection", 0) > 0
-    assert run["requests"]["sent"] == run["requests"]["ok"] + run["requests"]["failed"] < 80
+    assert run["requests"]["sent"] == run["requests"]["ok"] + run["requests"]["failed"] < 400
 
 
 def test_bench_run_through_the_router_with_a_replica_killed_mid_run(tmp_path):
