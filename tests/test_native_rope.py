@@ -75,3 +75,13 @@ def test_rope_write_against_apply_rope_directly():
     untouched = torch.ones(12, dtype=torch.bool)
     untouched[slots] = False
     assert not k_pool[untouched].any() and not v_pool[untouched].any()
+
+
+def test_rope_write_refuses_a_slot_outside_the_pool():
+    """index_copy_ raised on such a slot; the native call must not write past the pool."""
+    qkv, cos, sin = torch.randn(2, 40), torch.randn(2, 8), torch.randn(2, 8)
+    k_pool, v_pool = torch.zeros(4, 1, 8), torch.zeros(4, 1, 8)
+    for bad in ([1, 4], [-1, 0]):
+        with pytest.raises(IndexError, match="outside the pool"):
+            native_attn.rope_write(qkv, 3, 1, 8, cos, sin, k_pool, v_pool, torch.tensor(bad))
+        assert not k_pool.any() and not v_pool.any()            # nothing written

@@ -80,9 +80,14 @@ def rope_write(qkv: torch.Tensor, Hq: int, Hkv: int, D: int, cos: torch.Tensor,
     M = qkv.shape[0]
     sl = slots if slots.dtype == torch.int64 and slots.is_contiguous() else \
         slots.to(torch.int64).contiguous()
+    if len(sl) < M or cos.shape != (M, D) or sin.shape != (M, D) or \
+            qkv.shape[1] != (Hq + 2 * Hkv) * D:
+        raise ValueError("KV write: operands of other shapes than the new tokens")
     q = torch.empty((M, Hq, D), dtype=torch.float32)
-    _state["rope"](qkv.data_ptr(), M, Hq, Hkv, D, cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
-                   k_pool.data_ptr(), v_pool.data_ptr(), sl.data_ptr())
+    if _state["rope"](qkv.data_ptr(), M, Hq, Hkv, D, cos.data_ptr(), sin.data_ptr(),
+                      q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), sl.data_ptr(),
+                      min(k_pool.shape[0], v_pool.shape[0])) != 0:
+        raise IndexError("KV write: a slot outside the pool")
     return q
 
 
@@ -111,11 +116,11 @@ def _fn():
 
                     native_pool.attach(lib)
                     rope = lib.hicache_rope_write
-                    rope.restype = None
+                    rope.restype = ctypes.c_int
                     rope.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                      ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                     ctypes.c_void_p, ctypes.c_void_p]
+                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
                     _state["rope"] = rope
                     _state["fn"] = fn
                     _self_test()

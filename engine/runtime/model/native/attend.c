@@ -733,12 +733,16 @@ static void rope_row(const float *x, const float *c, const float *s, float *out,
 
 /* A layer's new tokens after the QKV product, in one call: qkv [M][(Hq + 2 Hkv) D] (q, k, v of
  * each token), cos/sin [M][D]; q_out [M][Hq][D] gets the rotated queries, and row slots[m] of
- * the pool's k and v ([slots][Hkv][D]) the rotated key and the value of token m. */
-void hicache_rope_write(const float *qkv, int64_t M, int64_t Hq, int64_t Hkv, int64_t D,
-                        const float *cos, const float *sin, float *q_out, float *k_pool,
-                        float *v_pool, const int64_t *slots)
+ * the pool's k and v ([nslots][Hkv][D]) the rotated key and the value of token m. Returns 0,
+ * or -3 (nothing written) if a slot is outside the pool. */
+int hicache_rope_write(const float *qkv, int64_t M, int64_t Hq, int64_t Hkv, int64_t D,
+                       const float *cos, const float *sin, float *q_out, float *k_pool,
+                       float *v_pool, const int64_t *slots, int64_t nslots)
 {
     const int64_t W = (Hq + 2 * Hkv) * D;
+    for (int64_t m = 0; m < M; m++)       /* a slot outside the pool: nothing written */
+        if (slots[m] < 0 || slots[m] >= nslots)
+            return -3;
     for (int64_t m = 0; m < M; m++) {
         const float *row = qkv + m * W, *c = cos + m * D, *s = sin + m * D;
         for (int64_t h = 0; h < Hq; h++)
@@ -748,4 +752,5 @@ void hicache_rope_write(const float *qkv, int64_t M, int64_t Hq, int64_t Hkv, in
             rope_row(row + (Hq + h) * D, c, s, kd + h * D, D);
         memcpy(vd, row + (Hq + Hkv) * D, sizeof(float) * (size_t)(Hkv * D));
     }
+    return 0;
 }
