@@ -163,3 +163,51 @@ def test_attention_refuses_a_read_past_the_page_table():
         native_attn.attention(q, k, v, torch.tensor([5, -1, 7]), 0.3, slots=torch.arange(8))
     got = native_attn.attention(q, k, v, pos, 0.3, slots=torch.arange(8))
     assert torch.equal(got, native_attn.attention(q, k[:8], v[:8], pos, 0.3))
+
+
+def _row_fns(lib):
+    lib.hicache_rms_norm.restype = None
+    lib.hicache_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                     ctypes.c_int64, ctypes.c_void_p, ctypes.c_float,
+                                     ctypes.c_void_p]
+    lib.hicache_silu_mul.restype = None
+    lib.hicache_silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                     ctypes.c_int64, ctypes.c_void_p]
+    return lib.hicache_rms_norm, lib.hicache_silu_mul
+
+
+# (rows, width): a decode row, a chunk; widths off the 16-lane step (masked tails), one
+@pytest.mark.parametrize("M,K", [(1, 576), (37, 576), (5, 300), (3, 17), (2, 1), (9, 1536)])
+def test_row_ops_have_the_same_bits_on_every_isa_and_row_count(attend_libs, M, K):
+    """RMS norm and the MLP's silu(g) * u: every body gives the same bits, a row alone the
+    same as among others (and a strided source the same as a packed one), close to float64."""
+    g = torch.Generator().manual_seed(M * 7 + K)
+    x = torch.randn(M, K + 3, generator=g) * 5        # rows 3 floats apart: a strided view
+    x[0, :3] = torch.tensor([0.0, -0.0, 40.0])[:min(3, K)]
+    w = torch.randn(K, generator=g)
+    gu = torch.randn(M, 2 * K, generator=g) * 8       # wide: exp's range, both signs
+    gu[0, :2] = torch.tensor([0.0, -0.0])[:min(2, K)]
+    outs = {}
+    for name, lib in attend_libs.items():
+        rms, silu = _row_fns(lib)
+        o = torch.full((M, K), float("nan"))
+        rms(x.data_ptr(), K + 3, M, K, w.data_ptr(), 1e-6, o.data_ptr())
+        one = torch.full((1, K), float("nan"))
+        xl = x[M - 1:, :K].contiguous()
+        rms(xl.data_ptr(), K, 1, K, w.data_ptr(), 1e-6, one.data_ptr())
+        assert torch.equal(one, o[M - 1:]), name
+        s = torch.full((M, K), float("nan"))
+        silu(gu.data_ptr(), 2 * K, M, K, s.data_ptr())
+        s1 = torch.full((1, K), float("nan"))
+        silu(gu[M - 1:].contiguous().data_ptr(), 2 * K, 1, K, s1.data_ptr())
+        assert torch.equal(s1, s[M - 1:]), name
+        outs[name] = (o, s)
+    ref_o, ref_s = outs["portable"]
+    xd = x[:, :K].double()
+    want = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    assert torch.allclose(ref_o.double(), want, rtol=1e-5, atol=1e-6)
+    gd = gu.double()
+    want = torch.nn.functional.silu(gd[:, :K]) * gd[:, K:]
+    assert torch.allclose(ref_s.double(), want, rtol=1e-5, atol=1e-5)
+    for name, (o, s) in outs.items():
+        assert torch.equal(o, ref_o) and torch.equal(s, ref_s), name

@@ -85,3 +85,29 @@ def test_rope_write_refuses_a_slot_outside_the_pool():
         with pytest.raises(IndexError, match="outside the pool"):
             native_attn.rope_write(qkv, 3, 1, 8, cos, sin, k_pool, v_pool, torch.tensor(bad))
         assert not k_pool.any() and not v_pool.any()            # nothing written
+
+
+def test_the_switch_reaches_a_model_already_built(monkeypatch):
+    """HICACHE_EXACT_NATIVE=0 set after the model was built (and had run natively) sends its
+    next forward to the torch row operations, all of them: one forward never mixes the two."""
+    model = load_model("tiny", seed=3)
+    calls = {"rms": 0, "silu": 0, "rope": 0}
+    for name, fn in (("rms", "rms_norm"), ("silu", "silu_mul"), ("rope", "rope_write")):
+        real = getattr(native_attn, fn)
+        monkeypatch.setattr(native_attn, fn,
+                            lambda *a, _r=real, _n=name: calls.__setitem__(_n, calls[_n] + 1)
+                            or _r(*a))
+    PS = 4
+    lay = model.kv_layout(PS)
+    kv = torch.zeros((lay.num_layers, lay.kv_kinds, 8 * PS, lay.kv_heads, lay.head_dim))
+    pages = np.arange(8)
+    toks = np.arange(9) + 5
+    model.forward([Chunk(toks, 0, pages)], kv, PS)
+    L = model.cfg.num_layers
+    assert calls == {"rms": 2 * L + 1, "silu": L, "rope": L}
+    monkeypatch.setenv("HICACHE_EXACT_NATIVE", "0")
+    model.forward([Chunk(toks, 0, pages)], kv, PS)
+    assert calls == {"rms": 2 * L + 1, "silu": L, "rope": L}      # none more
+    monkeypatch.delenv("HICACHE_EXACT_NATIVE")
+    model.forward([Chunk(toks[:1], 9, pages)], kv, PS)
+    assert calls == {"rms": 4 * L + 2, "silu": 2 * L, "rope": 2 * L}

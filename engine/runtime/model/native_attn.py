@@ -91,6 +91,31 @@ def rope_write(qkv: torch.Tensor, Hq: int, Hkv: int, D: int, cos: torch.Tensor,
     return q
 
 
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x [M, K]`` float32 on CPU (rows contiguous) normalised by its own root mean square
+    and scaled by ``w [K]`` (attend.c's fixed sequence: the same bits for a row alone or among
+    others, on every ISA body)."""
+    _fn()
+    M, K = x.shape
+    if x.stride(1) != 1 or w.shape != (K,) or not w.is_contiguous() or w.dtype != torch.float32:
+        raise ValueError("native rms_norm: operands of other shapes or layouts")
+    out = torch.empty((M, K), dtype=torch.float32)
+    _state["rms"](x.data_ptr(), x.stride(0), M, K, w.data_ptr(), float(eps), out.data_ptr())
+    return out
+
+
+def silu_mul(gu: torch.Tensor, inter: int) -> torch.Tensor:
+    """``silu(g) * u`` for ``gu [M, 2 * inter]`` (``g`` then ``u``, rows contiguous), float32
+    on CPU, in one pass (attend.c's fixed sequence per element)."""
+    _fn()
+    M = gu.shape[0]
+    if gu.shape[1] != 2 * inter or gu.stride(1) != 1 or gu.dtype != torch.float32:
+        raise ValueError("native silu_mul: operands of other shapes or layouts")
+    out = torch.empty((M, inter), dtype=torch.float32)
+    _state["silu"](gu.data_ptr(), gu.stride(0), M, inter, out.data_ptr())
+    return out
+
+
 def reset() -> None:
     with _lock:
         _state.clear()
@@ -122,6 +147,17 @@ def _fn():
                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
                     _state["rope"] = rope
+                    rms = lib.hicache_rms_norm
+                    rms.restype = None
+                    rms.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_float,
+                                    ctypes.c_void_p]
+                    _state["rms"] = rms
+                    silu = lib.hicache_silu_mul
+                    silu.restype = None
+                    silu.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                     ctypes.c_int64, ctypes.c_void_p]
+                    _state["silu"] = silu
                     _state["fn"] = fn
                     _self_test()
                     _state["what"] = f"native ({so.name})"
@@ -151,6 +187,15 @@ def _self_test() -> None:
     kp[perm], vp[perm] = k, v
     if not torch.equal(attention(q, kp, vp, pos, 0.3, threads=2, slots=perm), whole):
         raise RuntimeError("the built kernel failed its self-test (slots)")
+    x, w = torch.randn(7, 300, generator=g) * 4, torch.randn(300, generator=g)
+    want = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    if not torch.allclose(rms_norm(x, w, 1e-5).double(), want, rtol=1e-5, atol=1e-6):
+        raise RuntimeError("the built kernel failed its self-test (rms_norm)")
+    gu = torch.randn(5, 2 * 150, generator=g) * 6
+    gd = gu.double()
+    want = torch.nn.functional.silu(gd[:, :150]) * gd[:, 150:]
+    if not torch.allclose(silu_mul(gu, 150).double(), want, rtol=1e-5, atol=1e-6):
+        raise RuntimeError("the built kernel failed its self-test (silu_mul)")
     for lo, hi, t in ((4, 5, 1), (0, 9, 3), (7, 21, 2)):
         if not torch.equal(attention(q[lo:hi], k[:int(pos[hi - 1]) + 1], v[:int(pos[hi - 1]) + 1],
                                      pos[lo:hi], 0.3, threads=t), whole[lo:hi]):

@@ -80,16 +80,40 @@ def silu(x: torch.Tensor, exact: bool = True) -> torch.Tensor:
     return out.view(xp.shape)[..., :width]
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, native: bool = False) -> torch.Tensor:
     """``x / sqrt(mean(x²) + eps) * w`` in float32. The same kernels in the same order whatever
     the dtype (in place where the value is this function's own: the same bits, fewer
-    allocations; a decode step calls this twice a layer)."""
+    allocations; a decode step calls this twice a layer). ``native``: attend.c's fixed
+    sequence per row instead (the caller has checked :func:`native_rows_available`; float32
+    ``x [M, K]``), one call."""
+    if native:
+        xr = x if x.stride(-1) == 1 else x.contiguous()
+        return _native_attn.rms_norm(xr, w if w.is_contiguous() else w.contiguous(), eps)
     xf = x if x.dtype == torch.float32 else x.float()
     ms = xf.pow(2).mean(-1, keepdim=True)
     ms.add_(eps).rsqrt_()
     y = xf * ms
     y.mul_(w if w.dtype == torch.float32 else w.float())
     return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def silu_mul(gu: torch.Tensor, inter: int, exact: bool = True, native: bool = False
+             ) -> torch.Tensor:
+    """The gated MLP's ``silu(g) * u`` for ``gu = [g | u]`` (``[M, 2 * inter]``). ``native``:
+    one pass of attend.c's fixed sequence per element (the caller has checked
+    :func:`native_rows_available`); else :func:`silu` and a product."""
+    if native:
+        return _native_attn.silu_mul(gu if gu.stride(-1) == 1 else gu.contiguous(), inter)
+    g, u = gu.split(inter, dim=-1)
+    return silu(g, exact) * u
+
+
+def native_rows_available() -> bool:
+    """Whether the exact CPU path's row operations (:func:`rms_norm`, :func:`silu_mul`,
+    :func:`rope_write`) take attend.c now: the native kernels on and not the library mode.
+    Read per forward: ``HICACHE_EXACT_NATIVE`` and ``HICACHE_EXACT_GEMM`` may change at run
+    time, and one forward must not mix the two sequences."""
+    return _exact.mode() != "library" and _native_attn.available()
 
 
 def rope_tables(dim: int, max_pos: int, theta: float, device: torch.device | str,
@@ -123,7 +147,7 @@ def native_rope_available(exact: bool, dtype: torch.dtype, device: torch.device,
     """Whether :func:`rope_write` serves a model: the exact CPU path in float32 with the
     native kernels on, and RoPE over the whole head."""
     return (exact and dtype == torch.float32 and device.type == "cpu" and rope_dim == head_dim
-            and head_dim % 2 == 0 and _exact.mode() != "library" and _native_attn.available())
+            and head_dim % 2 == 0 and native_rows_available())
 
 
 def rope_write(qkv: torch.Tensor, Hq: int, Hkv: int, D: int, cos: torch.Tensor,

@@ -201,18 +201,18 @@ class Model:
         # A pipeline stage after the first continues from the previous stage's hidden states;
         # one before the last hands its hidden states on instead of computing logits.
         x = self.w.embed[ids] if hidden_in is None else hidden_in.to(dev, self.dtype)
+        native = self._native_rows()          # once per forward: one sequence throughout
         for li, lw in enumerate(self.w.layers):
-            h = ops.rms_norm(x, lw.attn_norm, cfg.rms_eps)
+            h = ops.rms_norm(x, lw.attn_norm, cfg.rms_eps, native)
             if cfg.is_mla:
-                attn = self._mla(lw, li, h, cos, sin, io, bounds, pos, hooks)
+                attn = self._mla(lw, li, h, cos, sin, io, bounds, pos, hooks, native)
             else:
-                attn = self._gqa(lw, li, h, cos, sin, io, bounds, pos, hooks)
+                attn = self._gqa(lw, li, h, cos, sin, io, bounds, pos, hooks, native)
             x = x + self._reduced(ops.linear(attn, lw.wo, self.exact))
-            h = ops.rms_norm(x, lw.mlp_norm, cfg.rms_eps)
+            h = ops.rms_norm(x, lw.mlp_norm, cfg.rms_eps, native)
             gu = ops.linear(h, lw.w_gate_up, self.exact)
-            g, u = gu.split(cfg.intermediate, dim=-1)
-            x = x + self._reduced(ops.linear(ops.silu(g, self.exact) * u, lw.w_down,
-                                             self.exact))
+            x = x + self._reduced(ops.linear(ops.silu_mul(gu, cfg.intermediate, self.exact,
+                                                          native), lw.w_down, self.exact))
 
         if hidden_out:
             return x
@@ -221,18 +221,18 @@ class Model:
         if not want:
             return torch.empty((0, cfg.vocab_size), dtype=torch.float32, device=dev)
         last = x[torch.as_tensor(want, device=dev)]
-        last = ops.rms_norm(last, self.w.final_norm, cfg.rms_eps)
+        last = ops.rms_norm(last, self.w.final_norm, cfg.rms_eps, native)
         return ops.linear(last, self.w.lm_head, self.exact).float()
 
     def _gqa(self, lw: LayerWeights, li: int, h: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor, io: PoolKV, bounds: list[tuple[int, int]], pos: torch.Tensor,
-             hooks: list[LayerHook]) -> torch.Tensor:
+             hooks: list[LayerHook], native: bool) -> torch.Tensor:
         cfg = self.cfg
         M = h.shape[0]
         Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = ops.linear(h, lw.wqkv, self.exact)
         paged = type(io) is PoolKV             # read the pool through the page table
-        if paged and self._native_rope(qkv, cos, io.kv):
+        if paged and native and self._native_rope(qkv, cos, io.kv):
             # RoPE and the pool write in one native call (the same bits as below)
             q = ops.rope_write(qkv, Hq, Hkv, D, cos, sin, io.kv[li, 0], io.kv[li, 1],
                                io.write_slots)
@@ -256,20 +256,29 @@ class Model:
         io.done(li)
         return out.reshape(M, Hq * D)
 
+    def _native_rows(self) -> bool:
+        """Whether this forward's row operations (RMS norm, the MLP's activation, RoPE and the
+        KV write) take attend.c's kernels: the exact CPU path in float32 (fixed for the model)
+        with the native kernels on now (ops.native_rows_available, read per forward)."""
+        ok = self.__dict__.get("_rows_ok")
+        if ok is None:
+            ok = self._rows_ok = (self.exact and self.dtype == torch.float32
+                                  and self.device.type == "cpu")
+        return ok and ops.native_rows_available()
+
     def _native_rope(self, qkv: torch.Tensor, cos: torch.Tensor, kv: torch.Tensor) -> bool:
-        """Whether this layer's RoPE and KV write can take the native call: the exact CPU path
-        in float32 with the native kernels, contiguous operands, full-width rotary."""
+        """Whether this layer's RoPE and KV write can take the native call (this forward's
+        row operations are native): full-width rotary, contiguous float32 operands."""
         ok = self.__dict__.get("_rope_ok")
         if ok is None:
-            ok = self._rope_ok = ops.native_rope_available(self.exact, self.dtype, self.device,
-                                                           self.cfg.rope_dim,
-                                                           self.cfg.head_dim)
+            ok = self._rope_ok = self.cfg.rope_dim == self.cfg.head_dim \
+                and self.cfg.head_dim % 2 == 0
         return ok and qkv.is_contiguous() and cos.is_contiguous() and kv.is_contiguous() \
             and kv.dtype == torch.float32
 
     def _mla(self, lw: LayerWeights, li: int, h: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor, io: PoolKV, bounds: list[tuple[int, int]], pos: torch.Tensor,
-             hooks: list[LayerHook]) -> torch.Tensor:
+             hooks: list[LayerHook], native: bool) -> torch.Tensor:
         """Absorbed MLA: attention runs in the latent space against one cached vector/token."""
         cfg = self.cfg
         M = h.shape[0]
@@ -283,7 +292,7 @@ class Model:
         q_full = torch.cat([q_lat, q_rope], dim=-1)                  # [M, Hq, dc + dr]
         ckv = ops.linear(h, lw.wkv_a, self.exact)                    # [M, dc + dr]
         c, kr = ckv.split([dc, dr], dim=-1)
-        c = ops.rms_norm(c, lw.kv_norm, cfg.rms_eps)
+        c = ops.rms_norm(c, lw.kv_norm, cfg.rms_eps, native)
         kr = ops.apply_rope(kr.reshape(M, 1, dr), cos, sin).reshape(M, dr)
         io.write(li, (torch.cat([c, kr], dim=-1).reshape(M, 1, dc + dr),))
         for hook in hooks:

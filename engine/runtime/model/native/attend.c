@@ -37,6 +37,10 @@ static inline vec vadd_m(vec a, vec b, vmask m) { return _mm512_mask_add_ps(a, m
 static inline vec vmax_m(vec a, vec b, vmask m) { return _mm512_mask_max_ps(a, m, a, b); }
 static inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
 static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+static inline vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
+static inline vec vnegabs(vec a) { return _mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(a)); }
+static inline vec vsel_ge0(vec x, vec a, vec b)       /* a where x >= 0, else b */
+{ return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ), b, a); }
 static inline float vhmax(vec v) { return _mm512_reduce_max_ps(v); }
 static inline float vhsum(vec v)
 {
@@ -122,6 +126,18 @@ static inline vec vsub(vec a, vec b)
 { vec v = {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; return v; }
 static inline vec vmul(vec a, vec b)
 { vec v = {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; return v; }
+static inline vec vdiv(vec a, vec b)
+{ vec v = {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; return v; }
+static inline __m256 negabs8(__m256 a)
+{ return _mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a)); }
+static inline vec vnegabs(vec a) { vec v = {negabs8(a.lo), negabs8(a.hi)}; return v; }
+static inline vec vsel_ge0(vec x, vec a, vec b)       /* a where x >= 0, else b */
+{
+    const __m256 z = _mm256_setzero_ps();
+    vec v = {_mm256_blendv_ps(b.lo, a.lo, _mm256_cmp_ps(x.lo, z, _CMP_GE_OQ)),
+             _mm256_blendv_ps(b.hi, a.hi, _mm256_cmp_ps(x.hi, z, _CMP_GE_OQ))};
+    return v;
+}
 static inline float vhmax(vec v)
 {
     __m256 m8 = _mm256_max_ps(v.lo, v.hi);
@@ -178,6 +194,10 @@ static inline vec vmax_m(vec a, vec b, vmask m)
 { for (int i = 0; i < 16; i++) if (m >> i & 1 && b.l[i] > a.l[i]) a.l[i] = b.l[i]; return a; }
 static inline vec vsub(vec a, vec b) { for (int i = 0; i < 16; i++) a.l[i] -= b.l[i]; return a; }
 static inline vec vmul(vec a, vec b) { for (int i = 0; i < 16; i++) a.l[i] *= b.l[i]; return a; }
+static inline vec vdiv(vec a, vec b) { for (int i = 0; i < 16; i++) a.l[i] /= b.l[i]; return a; }
+static inline vec vnegabs(vec a) { for (int i = 0; i < 16; i++) a.l[i] = 0.0f - fabsf(a.l[i]); return a; }
+static inline vec vsel_ge0(vec x, vec a, vec b)
+{ for (int i = 0; i < 16; i++) if (!(x.l[i] >= 0.0f)) a.l[i] = b.l[i]; return a; }
 static inline float vhmax(vec v) { float m = v.l[0]; for (int i = 1; i < 16; i++) if (v.l[i] > m) m = v.l[i]; return m; }
 static inline float vhsum(vec v)
 {
@@ -221,6 +241,11 @@ struct task_args {
     float *kt;                            /* keys transposed: [Hkv][nblk][D][16] */
     int64_t nblk;
     int64_t *next;                        /* the next item of the phase (shared, atomic) */
+    /* a short chunk (every kv-head's rows in one block of R = M * G): the scores of every
+     * kv-head's rows, [Hkv][R][cap], keys 0 .. tmax - 1, in nchunk chunks and ncol column
+     * ranges (the phases' items) */
+    float *sc;
+    int64_t R, cap, tmax, nchunk, ncol;
 };
 
 struct worker { const struct task_args *a; int32_t id; int err; };
@@ -283,7 +308,7 @@ static void scores_avx2(const float *kb, const float *qb, int64_t D, int64_t R, 
  * output is the same fma chain over its row's keys as in the 64-column loop. */
 static void pv_avx2(const struct task_args *a, int64_t h, int64_t R, const int64_t *n,
                     const int64_t *mrow, const int64_t *hq, const float *buf, int64_t cap,
-                    float *acc)
+                    float *acc, int64_t dlo, int64_t dhi)
 {
     const int64_t Dv = a->Dv, Dp = (Dv + 31) / 32 * 32;
     int64_t nmax = 0;
@@ -292,8 +317,8 @@ static void pv_avx2(const struct task_args *a, int64_t h, int64_t R, const int64
             nmax = n[r];
     for (int64_t t0 = 0; t0 < nmax; t0 += PV_KEYS) {
         const int64_t t1 = nmax - t0 < PV_KEYS ? nmax : t0 + PV_KEYS;
-        for (int64_t d0 = 0; d0 < Dv; d0 += 32) {
-            const int64_t w = Dv - d0 < 32 ? Dv - d0 : 32;
+        for (int64_t d0 = dlo; d0 < dhi; d0 += 32) {
+            const int64_t w = dhi - d0 < 32 ? dhi - d0 : 32;
             const __m256i l0 = lanes((int32_t)w), l1 = lanes((int32_t)w - 8),
                           l2 = lanes((int32_t)w - 16), l3 = lanes((int32_t)w - 24);
             for (int64_t rs = 0; rs < R; rs += 3) {
@@ -353,112 +378,97 @@ static void pv_avx2(const struct task_args *a, int64_t h, int64_t R, const int64
         }
     }
     for (int64_t r = 0; r < R; r++)
-        memcpy(a->o + (mrow[r] * a->Hq + hq[r]) * Dv, acc + r * Dp, sizeof(float) * (size_t)Dv);
+        memcpy(a->o + (mrow[r] * a->Hq + hq[r]) * Dv + dlo, acc + r * Dp + dlo,
+               sizeof(float) * (size_t)(dhi - dlo));
 }
 #endif
 
 static void transpose_block(const struct task_args *a, int64_t h, int64_t t0, int64_t T,
                             float *dst);
 
-/* one block of up to RB rows of kv-head h: rows r = blk*RB .. (row r: g = r / M, m = r % M) */
-static void one_block(const struct task_args *a, int64_t h, int64_t blk, float *buf,
-                      float *qb, float *kloc)
+/* Scores of R rows (qb: their scaled queries, [R][D]) against 16 keys (kb: transposed,
+ * [D][16]) into out[r * cap .. + 15]: each key's score the fma chain over d = 0 .. D-1 in
+ * order, from 0 (the same for any row block and any grouping of the keys) */
+static void scores_rows(const float *kb, const float *qb, int64_t D, int64_t R, float *out,
+                        int64_t cap)
 {
-    const int64_t M = a->M, D = a->D, G = a->Hq / a->Hkv;
-#if !defined(HC_AVX2)
-    const int64_t Dv = a->Dv;
-#endif
-    const int64_t r0 = blk * RB, R = (M * G - r0) < RB ? (M * G - r0) : RB;
-    int64_t mrow[RB], hq[RB], n[RB], tmax = 0;
-    for (int64_t r = 0; r < R; r++) {
-        int64_t g = (r0 + r) / M, m = (r0 + r) % M;
-        mrow[r] = m;
-        hq[r] = h * G + g;
-        n[r] = a->pos[m] + 1;
-        if (n[r] > tmax)
-            tmax = n[r];
-        const float *qr = a->q + (m * a->Hq + hq[r]) * D;
-        for (int64_t d = 0; d < D; d++)
-            qb[r * D + d] = qr[d] * a->scale;
-    }
-    const int64_t cap = (tmax + 15) / 16 * 16;
-    /* scores, 16 keys at a time from the transposed keys: acc[key] = fma chain over
-     * d = 0 .. D-1 in order of q[d] * k[key][d], from 0 (the same for any row block) */
-    const float *kth = a->kt ? a->kt + h * a->nblk * D * 16 : 0;
-    for (int64_t t0 = 0; t0 < tmax; t0 += 16) {
-        const float *kb;
-        if (kth) {
-            kb = kth + (t0 / 16) * D * 16;
-        } else {              /* this block is the kv-head's only one: its keys, here */
-            transpose_block(a, h, t0, tmax, kloc);
-            kb = kloc;
-        }
 #if defined(HC_AVX2)
-        scores_avx2(kb, qb, D, R, buf + t0, cap);
-        continue;
-#endif
-        for (int64_t r0 = 0; r0 < R; r0 += 4) {
-            int64_t RR = R - r0 < 4 ? R - r0 : 4;
-            vec acc0 = vzero(), acc1 = vzero(), acc2 = vzero(), acc3 = vzero();
-            const float *q0 = qb + r0 * D;
-            if (RR == 4) {
-                for (int64_t d = 0; d < D; d++) {
-                    vec kv = vload(kb + d * 16, vm(16));
-                    acc0 = vfma(vbcast(q0[d]), kv, acc0);
-                    acc1 = vfma(vbcast(q0[D + d]), kv, acc1);
-                    acc2 = vfma(vbcast(q0[2 * D + d]), kv, acc2);
-                    acc3 = vfma(vbcast(q0[3 * D + d]), kv, acc3);
-                }
-            } else {
-                for (int64_t d = 0; d < D; d++) {
-                    vec kv = vload(kb + d * 16, vm(16));
-                    acc0 = vfma(vbcast(q0[d]), kv, acc0);
-                    if (RR > 1) acc1 = vfma(vbcast(q0[D + d]), kv, acc1);
-                    if (RR > 2) acc2 = vfma(vbcast(q0[2 * D + d]), kv, acc2);
-                }
-            }
-            vstore(buf + (r0 + 0) * cap + t0, acc0, vm(16));
-            if (RR > 1) vstore(buf + (r0 + 1) * cap + t0, acc1, vm(16));
-            if (RR > 2) vstore(buf + (r0 + 2) * cap + t0, acc2, vm(16));
-            if (RR > 3) vstore(buf + (r0 + 3) * cap + t0, acc3, vm(16));
-        }
-    }
-    /* softmax of each row over its own visible keys */
-    for (int64_t r = 0; r < R; r++) {
-        float *s = buf + r * cap;
-        vec mx = vbcast(-INFINITY);
-        for (int64_t t = 0; t < n[r]; t += 16)
-            mx = vmax_m(mx, vload(s + t, vm(n[r] - t)), vm(n[r] - t));
-        vec mv = vbcast(vhmax(mx));
-        vec sum = vzero();
-        for (int64_t t = 0; t < n[r]; t += 16) {
-            vmask mk = vm(n[r] - t);
-            vec e = vexp(vsub(vload(s + t, mk), mv));
-            vstore(s + t, e, mk);
-            sum = vadd_m(sum, e, mk);
-        }
-        vec inv = vbcast(1.0f / vhsum(sum));
-        for (int64_t t = 0; t < n[r]; t += 16) {
-            vmask mk = vm(n[r] - t);
-            vstore(s + t, vmul(vload(s + t, mk), inv), mk);
-        }
-    }
-#if defined(HC_AVX2)
-    pv_avx2(a, h, R, n, mrow, hq, buf, cap, kloc + 16 * D);
+    scores_avx2(kb, qb, D, R, out, cap);
 #else
-    /* P @ V: 4 rows x 64 value columns at a time, keys in order */
-    for (int64_t d0 = 0; d0 < Dv; d0 += 64) {
-        vmask m0 = vm(Dv - d0), m1 = vm(Dv - d0 - 16), m2 = vm(Dv - d0 - 32),
-              m3 = vm(Dv - d0 - 48);
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+        int64_t RR = R - r0 < 4 ? R - r0 : 4;
+        vec acc0 = vzero(), acc1 = vzero(), acc2 = vzero(), acc3 = vzero();
+        const float *q0 = qb + r0 * D;
+        if (RR == 4) {
+            for (int64_t d = 0; d < D; d++) {
+                vec kv = vload(kb + d * 16, vm(16));
+                acc0 = vfma(vbcast(q0[d]), kv, acc0);
+                acc1 = vfma(vbcast(q0[D + d]), kv, acc1);
+                acc2 = vfma(vbcast(q0[2 * D + d]), kv, acc2);
+                acc3 = vfma(vbcast(q0[3 * D + d]), kv, acc3);
+            }
+        } else {
+            for (int64_t d = 0; d < D; d++) {
+                vec kv = vload(kb + d * 16, vm(16));
+                acc0 = vfma(vbcast(q0[d]), kv, acc0);
+                if (RR > 1) acc1 = vfma(vbcast(q0[D + d]), kv, acc1);
+                if (RR > 2) acc2 = vfma(vbcast(q0[2 * D + d]), kv, acc2);
+            }
+        }
+        vstore(out + (r0 + 0) * cap, acc0, vm(16));
+        if (RR > 1) vstore(out + (r0 + 1) * cap, acc1, vm(16));
+        if (RR > 2) vstore(out + (r0 + 2) * cap, acc2, vm(16));
+        if (RR > 3) vstore(out + (r0 + 3) * cap, acc3, vm(16));
+    }
+#endif
+}
+
+/* softmax of one row over its n visible keys, in place */
+static void softmax_row(float *s, int64_t n)
+{
+    vec mx = vbcast(-INFINITY);
+    for (int64_t t = 0; t < n; t += 16)
+        mx = vmax_m(mx, vload(s + t, vm(n - t)), vm(n - t));
+    vec mv = vbcast(vhmax(mx));
+    vec sum = vzero();
+    for (int64_t t = 0; t < n; t += 16) {
+        vmask mk = vm(n - t);
+        vec e = vexp(vsub(vload(s + t, mk), mv));
+        vstore(s + t, e, mk);
+        sum = vadd_m(sum, e, mk);
+    }
+    vec inv = vbcast(1.0f / vhsum(sum));
+    for (int64_t t = 0; t < n; t += 16) {
+        vmask mk = vm(n - t);
+        vstore(s + t, vmul(vload(s + t, mk), inv), mk);
+    }
+}
+
+/* P @ V of R rows of kv-head h (probabilities buf[r * cap + t]) for the value columns
+ * dlo .. dhi - 1: each output the fma chain over the row's keys in order, from 0 (the same
+ * for any range of columns). acc: scratch of R rows of the value dim rounded up to 32. */
+static void pv_rows(const struct task_args *a, int64_t h, int64_t R, const int64_t *n,
+                    const int64_t *mrow, const int64_t *hq, const float *buf, int64_t cap,
+                    float *acc, int64_t dlo, int64_t dhi)
+{
+#if defined(HC_AVX2)
+    pv_avx2(a, h, R, n, mrow, hq, buf, cap, acc, dlo, dhi);
+#else
+    (void)acc;
+    const int64_t Dv = a->Dv;
+    /* 4 rows x 64 value columns at a time, keys in order */
+    for (int64_t d0 = dlo; d0 < dhi; d0 += 64) {
+        vmask m0 = vm(dhi - d0), m1 = vm(dhi - d0 - 16), m2 = vm(dhi - d0 - 32),
+              m3 = vm(dhi - d0 - 48);
         for (int64_t rs = 0; rs < R; rs += 4) {
             int64_t RR = R - rs < 4 ? R - rs : 4, nmax = 0;
             for (int64_t r = 0; r < RR; r++)
                 if (n[rs + r] > nmax)
                     nmax = n[rs + r];
-            vec acc[4][4];
+            vec acc4[4][4];
             for (int r = 0; r < 4; r++)
                 for (int c = 0; c < 4; c++)
-                    acc[r][c] = vzero();
+                    acc4[r][c] = vzero();
             for (int64_t t = 0; t < nmax; t++) {
                 const float *vr = a->v + (a->slots ? a->slots[t] : t) * a->ldv + h * Dv + d0;
                 vec v0 = vload(vr, m0), v1 = vload(vr + 16, m1), v2 = vload(vr + 32, m2),
@@ -467,22 +477,62 @@ static void one_block(const struct task_args *a, int64_t h, int64_t blk, float *
                     if (t >= n[rs + r])
                         continue;
                     vec p = vbcast(buf[(rs + r) * cap + t]);
-                    acc[r][0] = vfma(p, v0, acc[r][0]);
-                    acc[r][1] = vfma(p, v1, acc[r][1]);
-                    acc[r][2] = vfma(p, v2, acc[r][2]);
-                    acc[r][3] = vfma(p, v3, acc[r][3]);
+                    acc4[r][0] = vfma(p, v0, acc4[r][0]);
+                    acc4[r][1] = vfma(p, v1, acc4[r][1]);
+                    acc4[r][2] = vfma(p, v2, acc4[r][2]);
+                    acc4[r][3] = vfma(p, v3, acc4[r][3]);
                 }
             }
             for (int64_t r = 0; r < RR; r++) {
                 float *orow = a->o + (mrow[rs + r] * a->Hq + hq[rs + r]) * Dv + d0;
-                vstore(orow, acc[r][0], m0);
-                vstore(orow + 16, acc[r][1], m1);
-                vstore(orow + 32, acc[r][2], m2);
-                vstore(orow + 48, acc[r][3], m3);
+                vstore(orow, acc4[r][0], m0);
+                vstore(orow + 16, acc4[r][1], m1);
+                vstore(orow + 32, acc4[r][2], m2);
+                vstore(orow + 48, acc4[r][3], m3);
             }
         }
     }
 #endif
+}
+
+/* The rows r0 .. r0 + R - 1 of a kv-head (row r: group member g = r / M, query m = r % M):
+ * their queries, heads, visible key counts (n) and scaled queries (qb [R][D]); returns the
+ * most keys any of them sees */
+static int64_t block_rows(const struct task_args *a, int64_t h, int64_t r0, int64_t R,
+                          int64_t *mrow, int64_t *hq, int64_t *n, float *qb)    /* qb: or 0 */
+{
+    const int64_t M = a->M, D = a->D, G = a->Hq / a->Hkv;
+    int64_t tmax = 0;
+    for (int64_t r = 0; r < R; r++) {
+        int64_t g = (r0 + r) / M, m = (r0 + r) % M;
+        mrow[r] = m;
+        hq[r] = h * G + g;
+        n[r] = a->pos[m] + 1;
+        if (n[r] > tmax)
+            tmax = n[r];
+        const float *qr = a->q + (m * a->Hq + hq[r]) * D;
+        for (int64_t d = 0; qb && d < D; d++)
+            qb[r * D + d] = qr[d] * a->scale;
+    }
+    return tmax;
+}
+
+/* one block of up to RB rows of kv-head h: rows r = blk*RB .. (row r: g = r / M, m = r % M) */
+static void one_block(const struct task_args *a, int64_t h, int64_t blk, float *buf,
+                      float *qb, float *kloc)
+{
+    const int64_t M = a->M, D = a->D, G = a->Hq / a->Hkv;
+    const int64_t r0 = blk * RB, R = (M * G - r0) < RB ? (M * G - r0) : RB;
+    int64_t mrow[RB], hq[RB], n[RB];
+    const int64_t tmax = block_rows(a, h, r0, R, mrow, hq, n, qb);
+    const int64_t cap = (tmax + 15) / 16 * 16;
+    /* scores, 16 keys at a time from the transposed keys */
+    const float *kth = a->kt + h * a->nblk * D * 16;
+    for (int64_t t0 = 0; t0 < tmax; t0 += 16)
+        scores_rows(kth + (t0 / 16) * D * 16, qb, D, R, buf + t0, cap);
+    for (int64_t r = 0; r < R; r++)
+        softmax_row(buf + r * cap, n[r]);
+    pv_rows(a, h, R, n, mrow, hq, buf, cap, kloc + 16 * D, 0, a->Dv);
 }
 
 static int64_t max_visible(const struct task_args *a)
@@ -637,6 +687,86 @@ static void *work(void *arg)
     return 0;
 }
 
+/* A short chunk (a decode step, a tail of a token or two): three phases over every kv-head at
+ * once, so that both threads stream the same keys and values in memory order and share the
+ * work evenly (one item per kv-head left a thread idle for a third of a 3-head step). The bits
+ * are one_block's: each score, softmax and output is the same sequence, only grouped
+ * otherwise. Phase 1: chunks of SHORT_KEYS keys, every kv-head's scores for them; phase 2:
+ * each row's softmax; phase 3: P @ V, one item per kv-head and SHORT_COLS value columns. */
+#define SHORT_KEYS 256
+#if defined(HC_AVX2)
+#define SHORT_COLS 32
+#else
+#define SHORT_COLS 64
+#endif
+static void *short_scores(void *arg)
+{
+    struct worker *w = (struct worker *)arg;
+    const struct task_args *a = w->a;
+    const int64_t D = a->D, R = a->R, Hkv = a->Hkv;
+    float *qb = (float *)malloc(sizeof(float) * (size_t)(Hkv * R * D + 16 * D));
+    if (!qb) {
+        w->err = 1;
+        return 0;
+    }
+    float *kloc = qb + Hkv * R * D;
+    int64_t mrow[RB], hq[RB], n[RB], have = 0;
+    for (;;) {
+        int64_t i = __atomic_fetch_add(a->next, 1, __ATOMIC_RELAXED);
+        if (i >= a->nchunk)
+            break;
+        for (int64_t h = 0; !have && h < Hkv; h++)
+            block_rows(a, h, 0, R, mrow, hq, n, qb + h * R * D);
+        have = 1;
+        const int64_t t1 = (i + 1) * SHORT_KEYS < a->tmax ? (i + 1) * SHORT_KEYS : a->tmax;
+        for (int64_t t0 = i * SHORT_KEYS; t0 < t1; t0 += 16) {
+            for (int64_t h = 0; h < Hkv; h++) {
+                transpose_block(a, h, t0, a->tmax, kloc);
+                scores_rows(kloc, qb + h * R * D, D, R, a->sc + h * R * a->cap + t0, a->cap);
+            }
+        }
+    }
+    free(qb);
+    return 0;
+}
+
+static void *short_softmax(void *arg)
+{
+    struct worker *w = (struct worker *)arg;
+    const struct task_args *a = w->a;
+    for (;;) {
+        int64_t i = __atomic_fetch_add(a->next, 1, __ATOMIC_RELAXED);
+        if (i >= a->Hkv * a->R)
+            break;
+        softmax_row(a->sc + i * a->cap, a->pos[(i % a->R) % a->M] + 1);
+    }
+    return 0;
+}
+
+static void *short_pv(void *arg)
+{
+    struct worker *w = (struct worker *)arg;
+    const struct task_args *a = w->a;
+    const int64_t Dp = (a->Dv + 31) / 32 * 32;
+    float *acc = (float *)malloc(sizeof(float) * (size_t)(RB * Dp));
+    if (!acc) {
+        w->err = 1;
+        return 0;
+    }
+    int64_t mrow[RB], hq[RB], n[RB];
+    for (;;) {
+        int64_t i = __atomic_fetch_add(a->next, 1, __ATOMIC_RELAXED);
+        if (i >= a->Hkv * a->ncol)
+            break;
+        const int64_t h = i / a->ncol, dlo = (i % a->ncol) * SHORT_COLS;
+        block_rows(a, h, 0, a->R, mrow, hq, n, 0);
+        pv_rows(a, h, a->R, n, mrow, hq, a->sc + h * a->R * a->cap, a->cap, acc, dlo,
+                dlo + SHORT_COLS < a->Dv ? dlo + SHORT_COLS : a->Dv);
+    }
+    free(acc);
+    return 0;
+}
+
 /* the shared worker pool (native/pool.c, handed over by native_attn.py): 0 when it ran the
  * phase, else the threads are started here */
 typedef int (*runner_fn)(void *(*)(void *), void **, int32_t);
@@ -664,18 +794,28 @@ int hicache_attend(const float *q, const float *k, int64_t ldk, const float *v, 
         threads = 1;
     if (threads > MAX_THREADS)
         threads = MAX_THREADS;
-    if (threads > a.tasks)
-        threads = (int32_t)a.tasks;
-    a.threads = threads;
     a.nblk = (max_visible(&a) + 15) / 16;
-    /* one row block per kv-head (a decode step, a short tail): each task transposes its own
-     * keys a block at a time as it reads them (no phase, no buffer of them all). Else the
-     * transposed keys: one buffer per calling thread, grown when needed and kept (a fresh one
-     * each call cost more in page faults than the transposition itself) */
-    const int fused = per_head == 1;
+    /* one row block per kv-head (a decode step, a short tail): the three short phases over
+     * a buffer of every kv-head's scores. Else the transposed keys, then the row blocks. Either
+     * buffer is the calling thread's, grown when needed and kept (a fresh one each call cost
+     * more in page faults than the transposition itself) */
+    const int is_short = per_head == 1;
+    if (is_short) {
+        a.R = M * (Hq / Hkv);
+        a.tmax = max_visible(&a);
+        a.cap = (a.tmax + 15) / 16 * 16;
+        a.nchunk = (a.tmax + SHORT_KEYS - 1) / SHORT_KEYS;
+        a.ncol = (Dv + SHORT_COLS - 1) / SHORT_COLS;
+        int64_t most = a.nchunk > Hkv * a.ncol ? a.nchunk : Hkv * a.ncol;
+        if (threads > most)
+            threads = (int32_t)most;
+    } else if (threads > a.tasks) {
+        threads = (int32_t)a.tasks;
+    }
+    a.threads = threads;
     static __thread float *kt_buf;
     static __thread size_t kt_cap;
-    size_t need = fused ? 0 : (size_t)(Hkv * a.nblk * D * 16);
+    size_t need = is_short ? (size_t)(Hkv * a.R * a.cap) : (size_t)(Hkv * a.nblk * D * 16);
     if (need > kt_cap) {
         free(kt_buf);
         kt_cap = need + need / 4;
@@ -685,15 +825,20 @@ int hicache_attend(const float *q, const float *k, int64_t ldk, const float *v, 
             return -1;
         }
     }
-    a.kt = fused ? 0 : kt_buf;
+    a.kt = is_short ? 0 : kt_buf;
+    a.sc = is_short ? kt_buf : 0;
+    void *(*const long_phases[2])(void *) = {transpose, work};
+    void *(*const short_phases[3])(void *) = {short_scores, short_softmax, short_pv};
+    void *(*const *phases)(void *) = is_short ? short_phases : long_phases;
+    const int nphase = is_short ? 3 : 2;
     struct worker ws[MAX_THREADS];
     pthread_t tid[MAX_THREADS];
     int started[MAX_THREADS];
     int err = 0;
     int64_t next = 0;
     a.next = &next;
-    for (int phase = fused; phase < 2; phase++) {
-        void *(*fn)(void *) = phase == 0 ? transpose : work;
+    for (int phase = 0; phase < nphase && !err; phase++) {
+        void *(*fn)(void *) = phases[phase];
         next = 0;
         for (int t = 0; t < threads; t++) {
             ws[t] = (struct worker){&a, t, 0};
@@ -753,4 +898,49 @@ int hicache_rope_write(const float *qkv, int64_t M, int64_t Hq, int64_t Hkv, int
         memcpy(vd, row + (Hq + Hkv) * D, sizeof(float) * (size_t)(Hkv * D));
     }
     return 0;
+}
+
+/* Row operations of the exact path, each output value one fixed sequence of IEEE operations
+ * on its own row (the same bits on every body and for any number of rows):
+ *
+ * RMS norm of a row x of K: ss = sixteen lane sums (lane j: fma chain of x[k]^2 over
+ * k = j, j + 16, ... in order, from 0) added in vhsum's tree; r = 1 / sqrt(ss / K + eps);
+ * out[k] = (x[k] * r) * w[k]. x rows ldx floats apart, out rows K. */
+void hicache_rms_norm(const float *x, int64_t ldx, int64_t M, int64_t K, const float *w,
+                      float eps, float *out)
+{
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * ldx;
+        float *orow = out + m * K;
+        vec acc = vzero();
+        for (int64_t k = 0; k < K; k += 16) {
+            vec v = vload(xr + k, vm(K - k));
+            acc = vfma(v, v, acc);
+        }
+        const float r = 1.0f / sqrtf(vhsum(acc) / (float)K + eps);
+        const vec rv = vbcast(r);
+        for (int64_t k = 0; k < K; k += 16) {
+            vmask mk = vm(K - k);
+            vstore(orow + k, vmul(vmul(vload(xr + k, mk), rv), vload(w + k, mk)), mk);
+        }
+    }
+}
+
+/* The gated MLP's activation: gu rows of ldg floats hold g (columns 0 .. I-1) then u
+ * (I .. 2I-1); out[m][i] = silu(g) * u with e = exp(-|g|) (attention's exp routine),
+ * silu(g) = g / (1 + e) for g >= 0 and (g * e) / (1 + e) below, each step rounded. */
+void hicache_silu_mul(const float *gu, int64_t ldg, int64_t M, int64_t I, float *out)
+{
+    const vec one = vbcast(1.0f);
+    for (int64_t m = 0; m < M; m++) {
+        const float *g = gu + m * ldg, *u = g + I;
+        float *orow = out + m * I;
+        for (int64_t i = 0; i < I; i += 16) {
+            vmask mk = vm(I - i);
+            vec x = vload(g + i, mk);
+            vec e = vexp(vnegabs(x));
+            vec s = vdiv(vsel_ge0(x, x, vmul(x, e)), vadd_m(one, e, vm(16)));
+            vstore(orow + i, vmul(s, vload(u + i, mk)), mk);
+        }
+    }
 }
