@@ -112,9 +112,11 @@ def test_products_have_the_same_bits_on_every_isa(rowdot_libs, M, N, K):
 
 
 # (queries, q-heads, kv-heads, head dim, value dim, keys): decode at a long context, a
-# chunk, odd dims (the 8- and 16-wide transposes' rests), one key
+# chunk, odd dims (the 8- and 16-wide transposes' rests), one key; up to 64 rows a kv-head
+# take the short path's phases, more the row blocks (the last three)
 ATTENTION = [(1, 9, 3, 64, 64, 1030), (16, 9, 3, 64, 64, 300), (21, 6, 2, 40, 72, 53),
-             (5, 4, 4, 13, 7, 9), (1, 2, 1, 8, 8, 1), (3, 8, 2, 24, 20, 37)]
+             (5, 4, 4, 13, 7, 9), (1, 2, 1, 8, 8, 1), (3, 8, 2, 24, 20, 37),
+             (30, 6, 2, 40, 72, 80), (64, 9, 3, 64, 64, 300), (70, 1, 1, 8, 33, 75)]
 
 
 @pytest.mark.parametrize("M,Hq,Hkv,D,Dv,T", ATTENTION)
@@ -211,3 +213,20 @@ def test_row_ops_have_the_same_bits_on_every_isa_and_row_count(attend_libs, M, K
     assert torch.allclose(ref_s.double(), want, rtol=1e-5, atol=1e-5)
     for name, (o, s) in outs.items():
         assert torch.equal(o, ref_o) and torch.equal(s, ref_s), name
+
+
+def test_short_and_long_paths_give_a_row_the_same_bits():
+    """A chunk of up to 64 rows a kv-head runs in three phases over every kv-head, a longer
+    one in row blocks: a query's result must not follow which (a decode step's row equals
+    the same row inside a prefill chunk)."""
+    if not native_attn.available():
+        pytest.skip(f"native attention: {native_attn.describe()}")
+    g = torch.Generator().manual_seed(11)
+    M, Hq, Hkv, D, T = 40, 9, 3, 64, 700                # 120 rows a kv-head: the long path
+    q = torch.randn(M, Hq, D, generator=g) * 2
+    k, v = torch.randn(T, Hkv, D, generator=g), torch.randn(T, Hkv, D, generator=g)
+    pos = torch.arange(T - M, T)
+    whole = native_attn.attention(q, k, v, pos, 0.125, threads=2)
+    for lo, hi in ((39, 40), (0, 1), (10, 26), (5, 26)):  # 3, 3, 48 and 63 rows: short
+        got = native_attn.attention(q[lo:hi], k, v, pos[lo:hi], 0.125, threads=2)
+        assert torch.equal(got, whole[lo:hi]), (lo, hi)

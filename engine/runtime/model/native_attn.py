@@ -171,7 +171,7 @@ def _fn():
 
 def _self_test() -> None:
     g = torch.Generator().manual_seed(3)
-    M, Hq, Hkv, D, Dv, T = 21, 6, 2, 40, 72, 53
+    M, Hq, Hkv, D, Dv, T = 25, 6, 2, 40, 72, 53     # 75 rows a kv-head: the long path
     q = torch.randn(M, Hq, D, generator=g)
     k, v = torch.randn(T, Hkv, D, generator=g), torch.randn(T, Hkv, Dv, generator=g)
     pos = torch.arange(T - M, T)
@@ -196,7 +196,7 @@ def _self_test() -> None:
     want = torch.nn.functional.silu(gd[:, :150]) * gd[:, 150:]
     if not torch.allclose(silu_mul(gu, 150).double(), want, rtol=1e-5, atol=1e-6):
         raise RuntimeError("the built kernel failed its self-test (silu_mul)")
-    for lo, hi, t in ((4, 5, 1), (0, 9, 3), (7, 21, 2)):
+    for lo, hi, t in ((4, 5, 1), (0, 9, 3), (7, 21, 2), (3, 25, 2)):   # short, short, long
         if not torch.equal(attention(q[lo:hi], k[:int(pos[hi - 1]) + 1], v[:int(pos[hi - 1]) + 1],
                                      pos[lo:hi], 0.3, threads=t), whole[lo:hi]):
             raise RuntimeError("the built kernel failed its self-test (row bits)")

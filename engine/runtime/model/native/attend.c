@@ -697,6 +697,9 @@ static void *work(void *arg)
  * otherwise. Phase 1: chunks of SHORT_KEYS keys, every kv-head's scores for them; phase 2:
  * each row's softmax; phase 3: P @ V, one item per kv-head and SHORT_COLS value columns. */
 #define SHORT_KEYS 256
+#ifndef SHORT_ROWS
+#define SHORT_ROWS 64      /* rows a kv-head at most (M * G) */
+#endif
 #if defined(HC_AVX2)
 #define SHORT_COLS 32
 #else
@@ -713,7 +716,7 @@ static void *short_scores(void *arg)
         return 0;
     }
     float *kloc = qb + Hkv * R * D;
-    int64_t mrow[RB], hq[RB], n[RB], have = 0;
+    int64_t mrow[SHORT_ROWS], hq[SHORT_ROWS], n[SHORT_ROWS], have = 0;
     for (;;) {
         int64_t i = __atomic_fetch_add(a->next, 1, __ATOMIC_RELAXED);
         if (i >= a->nchunk)
@@ -751,12 +754,12 @@ static void *short_pv(void *arg)
     struct worker *w = (struct worker *)arg;
     const struct task_args *a = w->a;
     const int64_t Dp = (a->Dv + 31) / 32 * 32;
-    float *acc = (float *)malloc(sizeof(float) * (size_t)(RB * Dp));
+    float *acc = (float *)malloc(sizeof(float) * (size_t)(a->R * Dp));
     if (!acc) {
         w->err = 1;
         return 0;
     }
-    int64_t mrow[RB], hq[RB], n[RB];
+    int64_t mrow[SHORT_ROWS], hq[SHORT_ROWS], n[SHORT_ROWS];
     for (;;) {
         int64_t i = __atomic_fetch_add(a->next, 1, __ATOMIC_RELAXED);
         if (i >= a->Hkv * a->ncol)
@@ -802,7 +805,7 @@ int hicache_attend(const float *q, const float *k, int64_t ldk, const float *v, 
      * a buffer of every kv-head's scores. Else the transposed keys, then the row blocks. Either
      * buffer is the calling thread's, grown when needed and kept (a fresh one each call cost
      * more in page faults than the transposition itself) */
-    const int is_short = per_head == 1;
+    const int is_short = M * (Hq / Hkv) <= SHORT_ROWS;
     if (is_short) {
         a.R = M * (Hq / Hkv);
         a.tmax = max_visible(&a);
