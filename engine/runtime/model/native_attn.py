@@ -158,6 +158,7 @@ def _fn():
                     silu.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                      ctypes.c_int64, ctypes.c_void_p]
                     _state["silu"] = silu
+                    _state["lib"] = lib          # (native_layers binds hicache_layers)
                     _state["fn"] = fn
                     _self_test()
                     _state["what"] = f"native ({so.name})"

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from engine.core.layout import KVLayout, torch_dtype
-from engine.runtime.model import ops
+from engine.runtime.model import native_layers, ops
 from engine.runtime.model.config import ModelConfig
 from engine.runtime.model.weights import LayerWeights, ModelWeights
 
@@ -202,7 +202,14 @@ class Model:
         # one before the last hands its hidden states on instead of computing logits.
         x = self.w.embed[ids] if hidden_in is None else hidden_in.to(dev, self.dtype)
         native = self._native_rows()          # once per forward: one sequence throughout
-        for li, lw in enumerate(self.w.layers):
+        # every layer in one native call where it serves: the same calls with the same
+        # operands (the same bits), without the Python between them (native_layers.py)
+        fused = native_layers.usable(self, native, hooks, type(io) is PoolKV, kv)
+        if fused:
+            assert isinstance(kv, torch.Tensor)
+            x = native_layers.run(self, x, kv, io.write_slots, io.key_slots, bounds, pos,
+                                  cos, sin)
+        for li, lw in enumerate(() if fused else self.w.layers):
             h = ops.rms_norm(x, lw.attn_norm, cfg.rms_eps, native)
             if cfg.is_mla:
                 attn = self._mla(lw, li, h, cos, sin, io, bounds, pos, hooks, native)
