@@ -239,6 +239,7 @@ static inline vec vexp(vec x)
 #endif
 
 #define RB 12         /* rows per block */
+#define PV_KEYS 64    /* keys per chunk of a row block's P @ V (AVX2) */
 #define MAX_THREADS 64
 
 struct task_args {
@@ -294,11 +295,10 @@ static void scores_avx2(const float *kb, const float *qb, int64_t D, int64_t R, 
     }
 }
 
-#define PV_KEYS 64
-/* P @ V of one tile for AVX2 (16 registers): the R rows of kv-head h (probabilities
+/* P @ V of one tile for AVX2 (16 registers): the R rows of a kv-head (probabilities
  * buf[r * cap + t], r's visible key count n[r]) by the w <= 16 value columns d0 .. d0 + w - 1,
- * over the keys t0 .. t1 - 1 (key t's value row at vb + sl[t] * ldv, or at vb + (t - tb) * ldv
- * without sl), 6 rows at a time, keys in order: 12 accumulators, the two value vectors of a
+ * over the keys t0 .. t1 - 1 (key t's values of the kv-head at vb + sl[t] * ldv, or at
+ * vb + (t - tb) * ldv without sl), 6 rows at a time, keys in order: 12 accumulators, the two value vectors of a
  * key and one probability at a time in the other registers, so each value vector is loaded
  * once per 6 rows (a 3 x 32 tile reloaded it for every row: 1.75x slower on 12 rows). The
  * chains come from and go back to acc (row r at acc + r * lda): zero when t0 is 0, else the
@@ -326,12 +326,11 @@ static void scores_avx2(const float *kb, const float *qb, int64_t D, int64_t R, 
         _mm256_storeu_ps(acc + (rs + r) * lda, c##r##0);                                   \
         _mm256_storeu_ps(acc + (rs + r) * lda + 8, c##r##1);                               \
     }
-static void pv_tile16_avx2(const struct task_args *a, int64_t h, int64_t R, const int64_t *n,
-                           const float *buf, int64_t cap, float *acc, int64_t lda, int64_t d0,
-                           int64_t w, int64_t t0, int64_t t1, const float *vb,
-                           const int64_t *sl, int64_t tb)
+static void pv_tile16_avx2(int64_t R, const int64_t *n, const float *buf, int64_t cap,
+                           float *acc, int64_t lda, int64_t d0, int64_t w, int64_t t0,
+                           int64_t t1, const float *vb, int64_t ldv, const int64_t *sl,
+                           int64_t tb)
 {
-    const int64_t Dv = a->Dv;
     const __m256i l0 = lanes((int32_t)w), l1 = lanes((int32_t)w - 8);
     for (int64_t rs = 0; rs < R; rs += 6) {
         const int64_t RR = R - rs < 6 ? R - rs : 6;
@@ -348,20 +347,20 @@ static void pv_tile16_avx2(const struct task_args *a, int64_t h, int64_t R, cons
         const float *pr = buf + rs * cap + t0;
         if (w == 16) {
             for (int64_t t = t0; t < tm; t++, pr++) {
-                const float *vr = vb + (sl ? sl[t] : t - tb) * a->ldv + h * Dv + d0;
+                const float *vr = vb + (sl ? sl[t] : t - tb) * ldv + d0;
                 const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
                 P6_ROW(0) P6_ROW(1) P6_ROW(2) P6_ROW(3) P6_ROW(4) P6_ROW(5)
             }
         } else {
             for (int64_t t = t0; t < tm; t++, pr++) {
-                const float *vr = vb + (sl ? sl[t] : t - tb) * a->ldv + h * Dv + d0;
+                const float *vr = vb + (sl ? sl[t] : t - tb) * ldv + d0;
                 const __m256 v0 = _mm256_maskload_ps(vr, l0), v1 = _mm256_maskload_ps(vr + 8, l1);
                 P6_ROW(0) P6_ROW(1) P6_ROW(2) P6_ROW(3) P6_ROW(4) P6_ROW(5)
             }
         }
         /* the rest: each row up to its own last key */
         for (int64_t t = tm; t < t1; t++, pr++) {
-            const float *vr = vb + (sl ? sl[t] : t - tb) * a->ldv + h * Dv + d0;
+            const float *vr = vb + (sl ? sl[t] : t - tb) * ldv + d0;
             const __m256 v0 = _mm256_maskload_ps(vr, l0), v1 = _mm256_maskload_ps(vr + 8, l1);
             P6_MROW(0) P6_MROW(1) P6_MROW(2) P6_MROW(3) P6_MROW(4) P6_MROW(5)
         }
@@ -370,12 +369,15 @@ static void pv_tile16_avx2(const struct task_args *a, int64_t h, int64_t R, cons
 }
 
 /* P @ V of a row block (the long path): PV_KEYS keys at a time, every row and column of the
- * block over them before the next ones (their value rows read from memory once, then from L1
- * for the other passes); the chains kept in acc [R][Dp] between key chunks. */
+ * block over them before the next ones; the chains kept in acc [R][Dp] between key chunks.
+ * Each chunk's values of the kv-head are first copied, in address order, into vbuf
+ * [PV_KEYS][Dv] (the tiles read them column range by column range: from memory in that order
+ * the hardware's prefetch stops), and the tiles read them there. */
 static void pv_avx2(const struct task_args *a, int64_t h, int64_t R, const int64_t *n,
                     const int64_t *mrow, const int64_t *hq, const float *buf, int64_t cap,
                     float *acc, int64_t dlo, int64_t dhi)
 {
+    float *vbuf = acc + RB * ((a->Dv + 31) / 32 * 32);
     const int64_t Dv = a->Dv, Dp = (Dv + 31) / 32 * 32;
     int64_t nmax = 0;
     for (int64_t r = 0; r < R; r++)
@@ -383,9 +385,13 @@ static void pv_avx2(const struct task_args *a, int64_t h, int64_t R, const int64
             nmax = n[r];
     for (int64_t t0 = 0; t0 < nmax; t0 += PV_KEYS) {
         const int64_t t1 = nmax - t0 < PV_KEYS ? nmax : t0 + PV_KEYS;
+        for (int64_t t = t0; t < t1; t++)
+            memcpy(vbuf + (t - t0) * Dv + dlo,
+                   a->v + (a->slots ? a->slots[t] : t) * a->ldv + h * Dv + dlo,
+                   sizeof(float) * (size_t)(dhi - dlo));
         for (int64_t d0 = dlo; d0 < dhi; d0 += 16)
-            pv_tile16_avx2(a, h, R, n, buf, cap, acc + d0, Dp, d0,
-                           dhi - d0 < 16 ? dhi - d0 : 16, t0, t1, a->v, a->slots, 0);
+            pv_tile16_avx2(R, n, buf, cap, acc + d0, Dp, d0, dhi - d0 < 16 ? dhi - d0 : 16,
+                           t0, t1, vbuf, Dv, 0, t0);
     }
     for (int64_t r = 0; r < R; r++)
         memcpy(a->o + (mrow[r] * a->Hq + hq[r]) * Dv + dlo, acc + r * Dp + dlo,
@@ -593,12 +599,10 @@ static void pv_rows(const struct task_args *a, int64_t h, int64_t R, const int64
 #else
 #define PV_TILE 32
 /* the other bodies: 4 rows x 32 columns (two vectors of 16) at a time */
-static void pv_tile(const struct task_args *a, int64_t h, int64_t R, const int64_t *n,
-                    const float *buf, int64_t cap, float *acc, int64_t lda, int64_t d0,
-                    int64_t w, int64_t t0, int64_t t1, const float *vb, const int64_t *sl,
-                    int64_t tb)
+static void pv_tile(int64_t R, const int64_t *n, const float *buf, int64_t cap, float *acc,
+                    int64_t lda, int64_t d0, int64_t w, int64_t t0, int64_t t1,
+                    const float *vb, int64_t ldv, const int64_t *sl, int64_t tb)
 {
-    const int64_t Dv = a->Dv;
     const vmask m0 = vm(w), m1 = vm(w - 16);
     for (int64_t rs = 0; rs < R; rs += 4) {
         const int64_t RR = R - rs < 4 ? R - rs : 4;
@@ -608,7 +612,7 @@ static void pv_tile(const struct task_args *a, int64_t h, int64_t R, const int64
             c[r][1] = t0 && r < RR ? vload(acc + (rs + r) * lda + 16, m1) : vzero();
         }
         for (int64_t t = t0; t < t1; t++) {
-            const float *vr = vb + (sl ? sl[t] : t - tb) * a->ldv + h * Dv + d0;
+            const float *vr = vb + (sl ? sl[t] : t - tb) * ldv + d0;
             const vec v0 = vload(vr, m0), v1 = vload(vr + 16, m1);
             for (int64_t r = 0; r < RR; r++) {
                 if (t >= n[rs + r])
@@ -811,7 +815,7 @@ static void *work(void *arg)
     int64_t cap = (max_visible(a) + 15) / 16 * 16;
     const int64_t Dp = (a->Dv + 31) / 32 * 32;      /* pv_avx2's chains between key chunks */
     float *buf = (float *)malloc(sizeof(float) * (size_t)(RB * cap + RB * a->D + 16 * a->D +
-                                                          RB * Dp));
+                                                          RB * Dp + PV_KEYS * a->Dv));
     if (!buf) {
         w->err = 1;
         return 0;
@@ -955,9 +959,9 @@ static void *short_pv(void *arg)
                        (size_t)(bhi - blo));
             for (int64_t tile = lo; tile < hi; tile++) {
                 const int64_t h = tile / tph, d0 = (tile % tph) * PV_TILE;
-                pv_tile(a, h, R, n, a->sc + h * R * cap, cap, acc + (tile - lo) * R * PV_TILE,
-                        PV_TILE, d0, Dv - d0 < PV_TILE ? Dv - d0 : PV_TILE, t0, t1, vbuf, 0,
-                        t0);
+                pv_tile(R, n, a->sc + h * R * cap, cap, acc + (tile - lo) * R * PV_TILE,
+                        PV_TILE, d0, Dv - d0 < PV_TILE ? Dv - d0 : PV_TILE, t0, t1,
+                        vbuf + h * Dv, a->ldv, 0, t0);
             }
         }
         for (int64_t tile = lo; tile < hi; tile++) {
