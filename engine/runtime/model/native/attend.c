@@ -452,8 +452,6 @@ static const fused16_fn FUSED16S[4] = {0, fused16_1, fused16_2, fused16_3};
 #define FUSED_ROWS 3
 #endif
 
-static void transpose_block(const struct task_args *a, int64_t h, int64_t t0, int64_t T,
-                            float *dst);
 
 /* Scores of R rows (qb: their scaled queries, [R][D]) against 16 keys (kb: transposed,
  * [D][16]) into out[r * cap .. + 15]: each key's score the fma chain over d = 0 .. D-1 in
@@ -749,23 +747,6 @@ static void transpose8(const float *const *src, int64_t rows, float *dst)
 }
 #endif
 
-/* phase 1: key blocks (h, b) taken from a shared counter, transposed */
-/* keys t0 .. t0 + 15 of kv-head h (rows past T zero) transposed into dst[d * 16 + j] */
-static void transpose_rows(const float *const *kr, int64_t rows, int64_t D, float *dst);
-
-static void transpose_block(const struct task_args *a, int64_t h, int64_t t0, int64_t T,
-                            float *dst)
-{
-    const int64_t D = a->D;
-    int64_t rows = T - t0 < 16 ? T - t0 : 16;
-    const float *kr[16];
-    for (int64_t j = 0; j < 16; j++) {
-        int64_t t = t0 + (j < rows ? j : 0);
-        kr[j] = a->k + (a->slots ? a->slots[t] : t) * a->ldk + h * D;
-    }
-    transpose_rows(kr, rows, D, dst);
-}
-
 /* 16 key rows (the first `rows` of them real: the others read as zero) of D values each,
  * transposed into dst[d * 16 + j] */
 static void transpose_rows(const float *const *kr, int64_t rows, int64_t D, float *dst)
@@ -793,18 +774,36 @@ static void transpose_rows(const float *const *kr, int64_t rows, int64_t D, floa
             dst[d * 16 + j] = j < rows ? kr[j][d] : 0.0f;
 }
 
-/* phase 1: key blocks (h, b) taken from a shared counter, transposed */
+/* the long path's phase 1: blocks of 16 keys taken from a shared counter, each kv-head's part
+ * transposed into kt [Hkv][nblk][D][16] */
 static void *transpose(void *arg)
 {
     struct worker *w = (struct worker *)arg;
     const struct task_args *a = w->a;
     const int64_t D = a->D, T = max_visible(a);
-    for (;;) {
-        int64_t i = __atomic_fetch_add(a->next, 1, __ATOMIC_RELAXED);
-        if (i >= a->Hkv * a->nblk)
-            break;
-        transpose_block(a, i / a->nblk, (i % a->nblk) * 16, T, a->kt + i * D * 16);
+    float *rows16 = (float *)malloc(sizeof(float) * (size_t)(16 * a->ldk));
+    if (!rows16) {
+        w->err = 1;
+        return 0;
     }
+    for (;;) {          /* item b: keys 16 b .. 16 b + 15, every kv-head */
+        int64_t b = __atomic_fetch_add(a->next, 1, __ATOMIC_RELAXED);
+        if (b >= a->nblk)
+            break;
+        /* the rows copied in address order first (read kv-head by kv-head from the pool, 16
+         * rows apart, they came slower: the short path's phase 1 had the same stall) */
+        const int64_t t0 = b * 16, rows = T - t0 < 16 ? T - t0 : 16;
+        for (int64_t j = 0; j < rows; j++)
+            memcpy(rows16 + j * a->ldk, a->k + (a->slots ? a->slots[t0 + j] : t0 + j) * a->ldk,
+                   sizeof(float) * (size_t)a->ldk);
+        for (int64_t h = 0; h < a->Hkv; h++) {
+            const float *kr[16];
+            for (int64_t j = 0; j < 16; j++)
+                kr[j] = rows16 + (j < rows ? j : 0) * a->ldk + h * D;
+            transpose_rows(kr, rows, D, a->kt + (h * a->nblk + b) * D * 16);
+        }
+    }
+    free(rows16);
     return 0;
 }
 
