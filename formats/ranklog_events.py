@@ -66,6 +66,11 @@ class EventKind:
 MATCH = EventKind("match", ("rid", "l1_len", "l2_len", "l3_len"),
                   category=HIT_LENGTH, deciding=("l1_len", "l2_len", "l3_len"),
                   doc="hit lengths (tokens) decided for a request")
+PARTIAL = EventKind("partial", ("rid", "node", "tokens"),
+                    category=HIT_LENGTH, deciding=("node", "tokens"),
+                    doc="partial last-page reuse at admission: the first tokens slots of the "
+                        "first page of node (logical id, an L1 child of the match) are copied "
+                        "into the request's first own page")
 LOCK = EventKind("lock", ("rid", "node"), category=LOCK_ORDER, deciding=("rid", "node"),
                  doc="a tree node (logical id; null: nothing matched) is locked for a request")
 UNLOCK = EventKind("unlock", ("rid", "node"), category=LOCK_ORDER, deciding=("rid", "node"),
@@ -108,7 +113,7 @@ SESSION_CLOSE = EventKind("session_close", ("session", "nodes"), category=EVENT,
                               "to go")
 
 KINDS: dict[str, EventKind] = {k.name: k for k in (
-    MATCH, LOCK, UNLOCK, INSERT, RESTORE, RESTORE_DONE, BACKUP, BACKUP_DONE, EVICT, PP_ACK, FLUSH,
+    MATCH, PARTIAL, LOCK, UNLOCK, INSERT, RESTORE, RESTORE_DONE, BACKUP, BACKUP_DONE, EVICT, PP_ACK, FLUSH,
     CP_ALLOC, CP_CUT, HINT, SESSION_CLOSE)}
 
 

@@ -23,6 +23,9 @@ PHASES = [
     [("p1b", _prompt(70, 1)[:64] + _prompt(20, 3))],                       # L1 prefix hit
     [(f"f{i}", _prompt(60, 10 + i)) for i in range(4)],                    # push p1 out of L1
     [("p1c", _prompt(70, 1)[:64] + _prompt(9, 4))],                        # restored from L2
+    # the start of p1's 4th page: one rank copies its 11 tokens (partial last-page reuse); a CP
+    # group does not (that page and the request's first own page may sit on different ranks)
+    [("p1d", _prompt(70, 1)[:60])],
 ]
 
 
@@ -73,6 +76,7 @@ def _rank(rank: int, world: int, log_dir: str) -> dict:
 
     got = run(cache, model, sharded)
     log.write(f"{log_dir}/rank{rank}.ranklog")
+    got["partial"] = [e for e in log.events if e["kind"] == "partial"]
     return {"ref": ref, "got": got, "rows": int(cache.l1.buf.shape[2]),
             "problems": cache.check_rotations(),
             "loaded": cache.transfers.bytes_moved["load"]}
@@ -92,5 +96,7 @@ def test_two_cp_ranks_serve_what_one_rank_serves(tmp_path):
         # the cases the phases set up: a device hit, then the same prefix back from the host
         assert r["got"]["meta"]["p1b"]["device"] == 64
         assert r["got"]["meta"]["p1c"]["host"] == 64
+        assert r["got"]["meta"]["p1d"]["device"] == 48 and r["got"]["partial"] == []
+    assert r0["ref"]["meta"]["p1d"]["device"] == 59       # one rank: 48 + 11 copied
     res = CliRunner().invoke(app, ["consensus-check", str(tmp_path), "--format", "json"])
     assert res.exit_code == 0, res.output

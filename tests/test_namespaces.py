@@ -50,9 +50,12 @@ def typed(name: str) -> Namespace | None:
 
 
 def prompt(i: int) -> list[int]:
-    """A prompt of PROMPT_PAGES full pages no other index shares a page with (byte tokens)."""
+    """A prompt of PROMPT_PAGES full pages (byte tokens) that shares not even its first token
+    with another index's: within one namespace, partial last-page reuse copies the KV of any
+    common start of a cached page (a shared BOS would be one token of it)."""
+    assert 0 <= i < 256
     rng = np.random.default_rng(1000 + i)
-    return [256] + rng.integers(0, 256, PROMPT_PAGES * PAGE - 1).tolist()
+    return [i] + rng.integers(0, 256, PROMPT_PAGES * PAGE - 1).tolist()
 
 
 def gen(url: str, ids: list[int], ns: dict, n: int = 1) -> dict:

@@ -93,6 +93,25 @@ def test_second_turn_sends_only_the_new_pages(pd):
     assert_healthy(pd.cache, idle=True)
 
 
+def test_prefill_reuses_a_partial_page_and_decode_asks_page_aligned(pd):
+    """Partial last-page reuse: the prefill worker copies the start of a cached page of its own
+    (5 tokens here) and sends that page whole; the decode worker never copies (it asks for the
+    KV from its own page-aligned prefix on). The output equals the non-disaggregated one."""
+    a, b, c = toks(32, 31), toks(40, 32), toks(30, 33)
+    c[0] = (b[5] + 1) % 256                       # diverges from a + b right after b[:5]
+    pd.scheduler.generate(a + b, GREEDY)           # the prefill worker caches a + b[:32]
+    prompt = a + b[:5] + c
+    out, meta = pd.scheduler.generate(prompt, GREEDY)
+    t = meta["pd_transfer"]
+    assert (t["decode_device"], t["decode_host"], t["decode_storage"]) == (32, 0, 0)
+    assert t["prefill_cached"] == 37
+    assert t["transferred"] == len(prompt) - 1 - 32
+    assert meta["cached_tokens"] == 32
+    assert out == reference(prompt)
+    assert pd.cache.stats()["hit_l1_partial_tokens"] == 0
+    assert_healthy(pd.cache, idle=True)
+
+
 def test_decode_restores_from_its_own_storage_before_asking(tmp_path):
     """Decode's third tier: a prefix only in the decode worker's L3 store is fetched from there
     (``decode_storage``); only the new turn crosses the link."""

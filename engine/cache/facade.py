@@ -1,7 +1,8 @@
 """The HiCache facade: one object the scheduler, the replay and the CLI talk to.
 
-``admit`` (= ``match`` → ``lock`` → ``alloc`` → ``load_back``, all or nothing) → (compute) →
-``insert`` → ``unlock``, with ``poll`` once per scheduler step to commit finished transfers.
+``admit`` (= ``match`` → ``lock`` → ``alloc`` → ``load_back``, all or nothing, then the partial
+last-page copy) → (compute) → ``insert`` → ``unlock``, with ``poll`` once per scheduler step to
+commit finished transfers.
 Callers never see tree nodes; they get :class:`Admission`, :class:`MatchResult` and
 :class:`LockReceipt` values back (node ids only). Every decision is an explicit step that emits
 one event on :class:`~engine.cache.events.EventLog` (kinds: :mod:`formats.ranklog_events`).
@@ -25,7 +26,7 @@ from engine.cache.facade_hints import HintMethods
 from engine.cache.hints import CacheHint, HintBook
 from engine.cache.l3 import L3Tier
 from engine.cache.policy import EvictionPolicy, make_policy
-from engine.cache.radix_tree import Node, RadixTree
+from engine.cache.radix_tree import Node, RadixTree, common_len
 from engine.cache.tiers import Tier, l1_candidate, l2_candidate
 from engine.cache.transfer import OpKind, TransferEngine, TransferOp, op_id_sequence
 from engine.cache.types import (  # noqa: F401 (CacheConfig, as_tokens re-exported)
@@ -47,8 +48,8 @@ if TYPE_CHECKING:  # torch: the pools are imported only where they are built
     from engine.cache.sidecar import PairedPool
 
 _STAT_COUNTERS = ("match_tokens", "hit_l1_tokens", "hit_l2_tokens", "hit_l3_tokens",
-                  "loadback_pages", "loadback_ops", "backup_pages", "evicted_l1_pages",
-                  "evicted_l2_pages", "prefetch_pages")
+                  "hit_l1_partial_tokens", "loadback_pages", "loadback_ops", "backup_pages",
+                  "evicted_l1_pages", "evicted_l2_pages", "prefetch_pages")
 
 
 class HiCache(HintMethods):
@@ -140,14 +141,36 @@ class HiCache(HintMethods):
     # ------------------------------------------------------------------ admission
     def admit(self, tokens: Sequence[int] | np.ndarray,
               namespace: Namespace | str | None = None, *, rid: Any = None, priority: int = 0,
-              extra_pages: int = 0, reuse: bool = True, place: Any = None) -> Admission | None:
-        """Admit a request in one all-or-nothing step: match → lock → alloc → load-back.
+              extra_pages: int = 0, reuse: bool = True, place: Any = None,
+              partial: bool = True) -> Admission | None:
+        """Admit a request in one all-or-nothing step: match → lock → alloc → load-back, then
+        partial last-page reuse.
 
         Reserves the request's L1 page table: one page per page of ``tokens`` (the last one may
         be partial) plus ``extra_pages`` (decode room, lookahead pages). The matched prefix's
         pages come from the cache (the L2 part and what L3 prefetched are loaded back into L1);
         the rest are allocated (evicting unlocked KV). The request's own pages are allocated
         *before* the load-back, so a request that cannot be admitted yet starts no load-back.
+
+        **Partial last-page reuse** (``partial``, on by default): the tree matches whole pages
+        only, so the tokens after the prefix would all be computed although a cached page may
+        start with some of them (a repeated prompt: every token but the last is cached, the
+        last page up to its last token). Once the page table is complete (nothing can be
+        evicted any more), the children of the prefix's last node (the namespace's root when
+        nothing matched) are searched for the edge whose first page shares the longest prefix,
+        ``c >= 1`` tokens, with the next tokens of ``tokens`` (so ``c`` never passes
+        ``len(tokens)``, and is below ``page_size``: a whole page would have matched). When that
+        page is on L1 and committed there (no load in flight), the KV of its first ``c`` slots
+        is copied into slots ``0 … c-1`` of the request's first own page
+        (``l1.copy_slots``: every layer and kind, and a draft sidecar's pool), and the
+        admission reports ``partial_len = c`` (counted in ``device_len``; counter
+        ``hit_l1_partial_tokens``; event ``partial``): the caller's KV is valid up to
+        ``n_prefix_pages * page_size + partial_len``. The copied page stays the request's own
+        (a duplicate of a tree page is freed by :meth:`insert`). Never from L2 or L3, never
+        across namespaces (the search stays in the namespace's tree, as :meth:`match` does).
+        Off (``partial_len == 0``) with ``partial=False``, without ``reuse``, with ``place``
+        (a CP group: the source and destination pages may sit on different ranks), without
+        KV pools, and when the load-back found no room (the prefix then ends before the match).
 
         Returns ``None`` when L1 has no room even after eviction; then nothing is held (one
         rollback path: the own pages are freed and the prefix unlocked). ``reuse=False``
@@ -165,7 +188,8 @@ class HiCache(HintMethods):
             except OutOfCapacity:
                 return None
             return Admission(rid, namespace, own, 0, None, None)
-        m = self.match(tokens, namespace, rid=rid, priority=priority)
+        toks = as_tokens(tokens)
+        m = self.match(toks, namespace, rid=rid, priority=priority)
         receipt = self.lock(m)
         alloc_at = place(m) if place else (lambda n, at: self.alloc(n))
         resident = m.l1_len // p + (m.l2_len + m.l3_len) // p   # L1 hit, then L2 (+ L3 prefetched)
@@ -181,7 +205,46 @@ class HiCache(HintMethods):
                 self.free(own)
             self.unlock(receipt)
             return None
-        return Admission.of_match(m, receipt, own, load, p)
+        a = Admission.of_match(m, receipt, own, load, p)
+        if partial and place is None and not missing and self.l1 is not None:
+            self._reuse_partial_page(m, toks, a)
+        return a
+
+    def _reuse_partial_page(self, m: MatchResult, toks: np.ndarray, a: Admission) -> None:
+        """Partial last-page reuse (see :meth:`admit`): copy the KV of the longest cached start
+        of the request's next page into its first own page; records it on ``a``."""
+        p = self.page_size
+        pos = a.n_prefix_pages * p
+        path = m._path
+        if pos >= len(toks) or sum(len(n.tokens) for n in path) != pos:
+            return                          # nothing left to compute, or the prefix was cut
+        parent = path[-1] if path else self.tree.roots.get(m.namespace)
+        if parent is None or not parent.children:
+            return
+        want = toks[pos:pos + p]
+        # Children are keyed by the bytes of their first page: one C-level prefix test per child
+        # says whether it beats the best so far, so a root with many children (prompts that
+        # share only their first token) costs a dict scan, not a comparison per child.
+        wb = want.tobytes()
+        tb = want.itemsize
+        src, c = None, 0
+        for key, child in parent.children.items():
+            # committed on L1 only: a load in flight (or finished, not yet committed: it may
+            # have failed, and the commit is the step the ranks of a group agree on) is not
+            if key.startswith(wb[:tb * (c + 1)]) and child.l1 is not None \
+                    and child.loading is None:
+                src, c = child, common_len(child.tokens[:p], want)
+                if c == len(want):
+                    break
+        if src is None:
+            return
+        assert c < p, f"a whole page of {src!r} after the match was not matched"
+        assert src.l1 is not None and self.l1 is not None   # tested above / by admit
+        self.l1.copy_slots(int(src.l1[0]), int(a.pages[a.n_prefix_pages]), c)
+        a.partial_len = c
+        a.device_len += c
+        self.counters["hit_l1_partial_tokens"] += c
+        self.events.emit(EV.PARTIAL, rid=m.rid, node=src.id, tokens=int(c))
 
     # ------------------------------------------------------------------ match / lock
     def match(self, tokens: Sequence[int] | np.ndarray, namespace: Namespace | str | None = None,

@@ -108,6 +108,33 @@ class DevicePool:
     def slots(self, pages: np.ndarray) -> np.ndarray:
         return self.allocator.slots(pages)
 
+    def copy_slots(self, src_page: int, dst_page: int, n: int) -> None:
+        """Copy the KV of the first ``n`` token slots of page ``src_page`` into the first ``n``
+        slots of page ``dst_page``: slots ``src_page * page_size + [0, n)`` to
+        ``dst_page * page_size + [0, n)`` of ``buf``, in every layer (a packed draft's layers
+        included: they are layers of this buffer), every kv kind and every head.
+
+        This is the copy of admission's partial last-page reuse (``HiCache.admit``): a request
+        whose next ``n`` tokens are the first ``n`` tokens of a cached page starts its first own
+        page with their KV instead of computing it. ``0 <= n <= page_size`` (``n == 0`` copies
+        nothing); the pages must be two different pages of this pool. The copy runs on the
+        pool's device at once — on CUDA in the current stream, so a later forward on that stream
+        and any transfer submitted later (its stream waits on the current one) are ordered after
+        it; on CPU it is done when this returns."""
+        ps = self.layout.page_size
+        src_page, dst_page, n = int(src_page), int(dst_page), int(n)
+        if not 0 <= n <= ps:
+            raise ValueError(f"copy_slots: n must be in [0, {ps}], got {n}")
+        for name, page in (("src_page", src_page), ("dst_page", dst_page)):
+            if not 0 <= page < self.num_pages:
+                raise ValueError(f"copy_slots: {name} {page} outside [0, {self.num_pages})")
+        if n == 0:
+            return
+        if src_page == dst_page:
+            raise ValueError(f"copy_slots: source and destination are the same page {src_page}")
+        s, d = src_page * ps, dst_page * ps
+        self.buf[:, :, d:d + n].copy_(self.buf[:, :, s:s + n])
+
     # Page-granular access for transfers ------------------------------------------------
     def get_layer(self, layer: int, pages: np.ndarray) -> torch.Tensor:
         """``[kv_kinds, n_pages * page_size, kv_heads, head_dim]`` of ``pages`` in one layer."""

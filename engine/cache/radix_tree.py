@@ -72,7 +72,8 @@ class Node:
         return f"Node(id={self.id}, len={len(self.tokens)}, tiers={tiers or '-'}, lock={self.lock_ref})"
 
 
-def _common_len(a: np.ndarray, b: np.ndarray) -> int:
+def common_len(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
     n = min(len(a), len(b))
     if n == 0:
         return 0
@@ -216,7 +217,7 @@ class RadixTree:
                 pos += k
                 node = child
                 continue
-            m = _common_len(edge, tokens[pos:pos + k])
+            m = common_len(edge, tokens[pos:pos + k])
             m -= m % p
             if m < k:
                 if m == 0:

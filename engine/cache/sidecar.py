@@ -56,6 +56,13 @@ class PairedPool:
     def slots(self, pages: np.ndarray) -> np.ndarray:
         return self.target.slots(pages)
 
+    def copy_slots(self, src_page: int, dst_page: int, n: int) -> None:
+        """:meth:`DevicePool.copy_slots` in both pools: the target's KV and the draft's of the
+        first ``n`` slots of ``src_page`` go to the first ``n`` slots of ``dst_page`` (the same
+        page ids address both), so a partially reused page carries the draft's state too."""
+        self.target.copy_slots(src_page, dst_page, n)
+        self.sidecar.copy_slots(src_page, dst_page, n)
+
     def _pool(self, layer: int):
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer} outside 0..{self.num_layers - 1}")

@@ -140,6 +140,12 @@ class Admission:
     (owned by the cache; the prefix's KV is usable once ``load`` says so), the rest are the
     request's own pages (given back with ``HiCache.free`` or handed to ``HiCache.insert``).
     Release with ``HiCache.unlock(admission.receipt)`` when ``receipt`` is not ``None``.
+
+    ``partial_len`` (``< page_size``): partial last-page reuse — the first own page,
+    ``pages[n_prefix_pages]``, already holds the KV of its first ``partial_len`` tokens,
+    copied from a cached L1 page that starts with them (``HiCache.admit``). The request's KV
+    is valid up to ``n_prefix_pages * page_size + partial_len``; those tokens count in
+    ``device_len`` (and so in ``prefix_len``).
     """
 
     rid: Any
@@ -148,14 +154,16 @@ class Admission:
     n_prefix_pages: int
     receipt: LockReceipt | None          # None: admitted without the prefix cache
     load: "LoadHandle | None"            # None: nothing to wait for
-    device_len: int = 0                  # prefix tokens that were on L1 already
+    device_len: int = 0                  # prefix tokens that were on L1 already (+ partial_len)
     host_len: int = 0                    # prefix tokens loaded back from L2
     storage_len: int = 0                 # prefix tokens fetched from L3 (through L2)
     hashes: list = dataclasses.field(default_factory=list, repr=False)  # L3 page hashes
+    partial_len: int = 0                 # tokens copied into the first own page (see above)
 
     @property
     def prefix_len(self) -> int:
-        """Tokens whose KV the request reuses (``device_len + host_len + storage_len``)."""
+        """Tokens whose KV the request reuses (``device_len + host_len + storage_len``,
+        ``partial_len`` included)."""
         return self.device_len + self.host_len + self.storage_len
 
     @classmethod
@@ -209,8 +217,10 @@ class CacheFacade(Protocol):
         """Finished transfers of one queue not yet committed (a pipeline stage's pp_sync)."""
 
     def admit(self, tokens: Any, namespace: Any = None, *, rid: Any = None, priority: int = 0,
-              extra_pages: int = 0, reuse: bool = True, place: Any = None) -> "Admission | None":
-        """Match, lock, allocate and load back in one all-or-nothing step."""
+              extra_pages: int = 0, reuse: bool = True, place: Any = None,
+              partial: bool = True) -> "Admission | None":
+        """Match, lock, allocate and load back in one all-or-nothing step (then partial
+        last-page reuse where ``partial`` and the cache can prove it right)."""
 
     def release(self, tokens: np.ndarray, pages: np.ndarray, *, insert: bool,
                 n_prefix_pages: int = 0, namespace: Any = None, rid: Any = None,

@@ -100,9 +100,13 @@ class CPCache:
         return self._alloc_rotation(n_pages, first, m.rid)
 
     def admit(self, tokens, namespace: Namespace | str | None = None, *, rid: Any = None, priority: int = 0,
-              extra_pages: int = 0, reuse: bool = True) -> Admission | None:
+              extra_pages: int = 0, reuse: bool = True, partial: bool = True) -> Admission | None:
         """:meth:`HiCache.admit` (all or nothing: match, lock, allocate, load back) with every
-        page the request allocates continuing the owner rotation of its prefix."""
+        page the request allocates continuing the owner rotation of its prefix.
+
+        No partial last-page reuse, whatever ``partial`` says: the cached page and the
+        request's first own page may be owned by different ranks, and each rank holds only
+        its own pages' rows (``HiCache.admit`` is off whenever ``place`` is given)."""
         def place(m: MatchResult | None):
             start = self.cache.l1_alloc.fresh_owner() if m is None else self._start(m)
             return lambda n, at: self._alloc_rotation(n, self.shape.next_owner(start, at), rid)

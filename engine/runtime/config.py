@@ -228,6 +228,7 @@ class ServerConfig:
     host_layout: str = "layer_first"
     eviction_policy: str = "lru"
     disable_radix_cache: bool = False
+    disable_partial_page_reuse: bool = False   # recompute the tokens after the last whole page
     max_running_requests: int = 64
     max_sessions: int = 4096           # client sessions the server keeps (docs/cache-hints.md)
     hint_trust: str = "earned"         # when client hints are applied: earned | always | off

@@ -19,7 +19,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
                "snapshot_dir"),
     "cache": ("page_size", "l1_tokens", "l2_tokens", "hicache_ratio", "hicache_size_gb",
               "write_policy", "write_through_threshold", "host_layout", "eviction_policy",
-              "disable_radix_cache"),
+              "disable_radix_cache", "disable_partial_page_reuse"),
     "storage": ("hicache_storage_backend", "hicache_storage_dir",
                 "hicache_storage_backend_config", "hicache_storage_size_limit",
                 "hicache_storage_prefetch_policy", "hicache_storage_prefetch_timeout",

@@ -100,6 +100,10 @@ MemLayout = Annotated[HostLayout, _O("--hicache-mem-layout", field="host_layout"
 NoRadix = Annotated[bool, _O("--disable-radix-cache", field="disable_radix_cache",
                              help="No prefix reuse: every prompt is "
                                                            "computed in full.")]
+NoPartial = Annotated[bool, _O("--disable-partial-page-reuse", field="disable_partial_page_reuse",
+                               help="Recompute the tokens after the last whole cached page "
+                               "(as SGLang and vLLM do) instead of copying the KV of a cached "
+                               "page that starts with them (A/B runs).")]
 MaxRunning = Annotated[int, _O("--max-running-requests", field="max_running_requests",
                                help="Requests decoding at once.")]
 MaxSessions = Annotated[int, _O("--max-sessions", field="max_sessions", min=1, max=1 << 20,
@@ -315,6 +319,7 @@ def serve_cmd(
     write_policy: ServeWrite = WritePolicy.WRITE_THROUGH,
     host_layout: MemLayout = HostLayout.LAYER_FIRST,
     eviction_policy: Eviction = PolicyName.lru, disable_radix_cache: NoRadix = False,
+    disable_partial_page_reuse: NoPartial = False,
     hicache_storage_backend: Backend = None, hicache_storage_dir: StoreDir = None,
     hicache_storage_backend_config: StoreConfig = None,
     hicache_storage_size_limit: SizeLimit = None,

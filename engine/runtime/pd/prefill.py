@@ -3,7 +3,8 @@
 One request at a time (a request message names the tokens, the namespace and the first token
 the decode side is missing; the decode side's prefix is page-aligned):
 
-1. admit the tokens on this worker's own cache — its own L1 hit, L2/L3 restore — so the prefill
+1. admit the tokens on this worker's own cache — its own L1 hit, L2/L3 restore, and the start
+   of a cached page after them (partial last-page reuse, ``HiCache.admit``) — so the prefill
    side reuses what it has too;
 2. compute what this worker is missing, in ``chunk``-token pieces; during the last piece, each
    layer's hook sends that layer's pages as soon as the layer's KV is written (per-layer
@@ -35,8 +36,11 @@ log = logging.getLogger("hicache.pd")
 
 class PrefillWorker:
     def __init__(self, model: Any, cache: Any, link: PDLink, chunk: int = 512,
-                 fault: str | None = None):
+                 fault: str | None = None, partial: bool = True):
+        """``partial``: partial last-page reuse at admission (its KV is sent like the rest:
+        the page holding it is one of the pages sent)."""
         self.model, self.cache, self.link = model, cache, link
+        self.partial = partial
         self.page_size = cache.page_size
         self.num_layers = cache.num_layers
         self.chunk = chunk
@@ -67,12 +71,12 @@ class PrefillWorker:
         assert start % p == 0 and 0 <= start < end, (start, end)
         self.requests += 1
         cache = self.cache
-        a = cache.admit(toks, ns, rid=rid)
+        a = cache.admit(toks, ns, rid=rid, partial=self.partial)
         if a is None:
             self._refuse(rid, "the prefill worker has no room for the request")
             return
         send_pages = a.pages[start // p: -(-end // p)]
-        h = a.n_prefix_pages * p
+        h = a.n_prefix_pages * p + a.partial_len       # KV valid up to here
         self.link.send_msg({"rid": rid, "first_token": start, "pages": int(len(send_pages)),
                             "prefill_cached": h}, TAG_REPLY)
         works: list = []

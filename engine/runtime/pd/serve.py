@@ -54,7 +54,8 @@ def prefill_main(cfg: ServerConfig, host: str, port: int, child: bool = False,
         log.info("prefill worker linked on %s:%d", host, port)
         stopped = PrefillWorker(rank.model, rank.cache, link,
                                 chunk=cfg.chunked_prefill_size,
-                                fault=cfg.pd_inject_fault).serve_forever()
+                                fault=cfg.pd_inject_fault,
+                                partial=not cfg.disable_partial_page_reuse).serve_forever()
     finally:
         rank.write_log()
         rank.close()

@@ -359,7 +359,8 @@ def make_scheduler(rank: Rank, groups: RankGroups | None, health: Callable[[], l
     cfg, topo, cache = rank.config, rank.topology, rank.cache
     sched_cfg = SchedulerConfig(max_running_requests=cfg.max_running_requests,
                                 chunked_prefill_size=cfg.chunked_prefill_size,
-                                disable_radix_cache=cfg.disable_radix_cache)
+                                disable_radix_cache=cfg.disable_radix_cache,
+                                disable_partial_page_reuse=cfg.disable_partial_page_reuse)
     kv_source = None
     if topo.cp > 1:
         from engine.runtime.ranks.cp_kv import sharded_source

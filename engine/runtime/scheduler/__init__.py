@@ -7,9 +7,10 @@ One scheduler step:
 2. build one batch: a decode token for every decoding request, then prefill chunks of requests
    still prefilling, then admit waiting requests while the chunked-prefill token budget and
    ``max_running_requests`` allow. Admission is one ``cache.admit`` (match → lock → alloc →
-   load_back, all or nothing): the prefix hit (L1, plus L2 loaded back) is reused, pages for
-   the rest of the prompt and every output token are reserved up front (so a running request
-   never runs out of KV room);
+   load_back, all or nothing): the prefix hit (L1, plus L2 loaded back) is reused, and so is
+   the start of a cached L1 page after it (partial last-page reuse: its KV is copied into the
+   request's first own page, ``Scheduler._admit``); pages for the rest of the prompt and every
+   output token are reserved up front (so a running request never runs out of KV room);
 3. one model forward over the batch; a request whose prefix is being loaded back from L2
    contributes its ``LoadHandle.wait_layer`` as a layer hook, so layer *l* attends as soon as
    layer *l* of the prefix is in L1 while later layers still load;

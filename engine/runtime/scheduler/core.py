@@ -373,19 +373,28 @@ class Scheduler:
         """One all-or-nothing :meth:`HiCache.admit`; False (and nothing held) when L1 has no
         room. The last prompt token is never matched: computing it yields the first output's
         logits. The page table covers every position that will hold KV (:meth:`_Req.kv_needed`).
+
+        What is reused: the whole cached pages of the matched prompt (L1, or loaded back from
+        L2 / L3), and — partial last-page reuse — the KV of the tokens after them that a cached
+        L1 page starts with, copied by the cache into the request's first own page. ``kv_len``
+        (and ``draft_len``: the copy carries the draft's KV) starts after both, so the forward
+        computes only what is not cached: a repeated prompt computes its last token alone, not
+        the last page (SGLang and vLLM recompute that page). The partial copy is off
+        (:meth:`_partial_reuse`) where it cannot be proven right.
         """
         p = self.page_size
         matched = r.ids[:_match_len(r)]
         extra = -(-r.kv_needed() // p) - (-(-len(matched) // p))
         a = self.cache.admit(matched, r.namespace, rid=r.rid, priority=r.priority,
-                             extra_pages=extra, reuse=not self.config.disable_radix_cache)
+                             extra_pages=extra, reuse=not self.config.disable_radix_cache,
+                             partial=self._partial_reuse())
         if a is None:
             return False
         r.receipt, r.load, r.hashes = a.receipt, a.load, a.hashes
         r.cached_device, r.cached_host, r.cached_storage = a.device_len, a.host_len, a.storage_len
         r.pages = a.pages
         r.n_prefix_pages = a.n_prefix_pages
-        r.kv_len = a.n_prefix_pages * p
+        r.kv_len = a.n_prefix_pages * p + a.partial_len
         r.draft_len = r.kv_len            # a cached prefix carries the draft's KV with it
         if self.remote is not None:        # the rest of the matched part comes over the link
             r.pd = {"decode_device": a.device_len, "decode_host": a.host_len,
@@ -397,6 +406,17 @@ class Scheduler:
         r.t_admit = time.perf_counter()
         self.metrics.queue_time.observe(r.t_admit - r.t_arrival)
         return True
+
+    def _partial_reuse(self) -> bool:
+        """Whether admission may copy a partially matching cached page (:meth:`_admit`). Off
+        with ``disable_partial_page_reuse`` (and without the radix cache: nothing is matched);
+        on a CP rank (``kv_source`` set: each rank holds the rows of the pages it owns, and the
+        cached page and the request's page may have different owners); on a P/D decode worker
+        (``remote``: it asks the prefill worker for the KV from a page-aligned position). TP
+        and PP ranks keep it: each copies its own heads / layers, and their trees, commits and
+        so decisions are the same at every step (an event, ``partial``, records each)."""
+        return not (self.config.disable_partial_page_reuse or self.kv_source is not None
+                    or self.remote is not None)
 
     def _run_batch(self, chunks: list[Chunk], reqs: list[_Req]) -> None:
         logits = self._forward(chunks, reqs)

@@ -62,6 +62,9 @@ class SchedulerConfig:
     max_running_requests: int = 64
     chunked_prefill_size: int = 512       # prompt tokens per step (all prefilling requests)
     disable_radix_cache: bool = False
+    # no partial last-page reuse (Scheduler._admit): the tokens after the last whole cached page
+    # are all computed, as SGLang and vLLM do (A/B runs)
+    disable_partial_page_reuse: bool = False
     max_waiting_requests: int = 4096
 
     def __post_init__(self) -> None:

@@ -49,6 +49,7 @@ async def server_info(request: web.Request) -> web.Response:
         "max_running_requests": engine.cfg.max_running_requests,
         "chunked_prefill_size": engine.cfg.chunked_prefill_size,
         "disable_radix_cache": engine.cfg.disable_radix_cache,
+        "disable_partial_page_reuse": engine.cfg.disable_partial_page_reuse,
         "context_length": d["max_context"],
         "internal_states": [{"page_size": engine.cfg.page_size, "num_running_reqs": running,
                              "num_waiting_reqs": waiting,

@@ -91,6 +91,10 @@ def render(m: SchedulerMetrics, cache_stats: dict[str, Any], running: int, waiti
         w.sample(fam, cache_stats.get(key, 0), {"tier": tier})
     w.scalar("cache_match_tokens_total", "counter", "Tokens looked up in the radix tree.",
              cache_stats.get("match_tokens", 0))
+    w.scalar("cache_partial_hit_tokens_total", "counter",
+             "Tokens after the matched whole pages whose KV admission copied from a cached L1 "
+             "page that starts with them (partial last-page reuse; in the device hits).",
+             cache_stats.get("hit_l1_partial_tokens", 0))
     fam = w.family("evicted_pages_total", "counter", "Pages evicted, by tier.")
     w.sample(fam, cache_stats.get("evicted_l1_pages", 0), {"tier": "device"})
     w.sample(fam, cache_stats.get("evicted_l2_pages", 0), {"tier": "host"})
