@@ -19,7 +19,11 @@ Default mode, per prompt length (random tokens, the same on every side):
   fp32, plus the context's KV).
 * **hicache**: ``Model.forward`` on the exact path (the server's kernels), the prompt in
   ``--chunk``-token chunks (the server's chunked prefill, default 512), then ``--decode``
-  greedy one-token steps; prefill tokens/s and decode tokens/s.
+  greedy one-token steps; prefill tokens/s and decode tokens/s. Cached TTFT: the prompt again
+  as the server serves a repeat (partial last-page reuse, docs/engine-api.md): the cached page
+  holding the prompt's rest lends its first tokens' KV to the request's own page
+  (``DevicePool.copy_slots``, admission's copy) and the last token is computed; the copy is
+  timed with it.
 * **transformers** (optional): the same GGUF file loaded by ``transformers`` (dequantised to
   float32, SDPA attention), the whole prompt in one call, then the same greedy steps with its
   KV cache; run in this interpreter when it has ``transformers`` and ``gguf``, else by
@@ -109,6 +113,7 @@ def hicache_run(model, toks, chunk: int, decode: int) -> dict:
     n = len(toks)
     pool = DevicePool(model.kv_layout(PS), -(-(n + decode) // PS) + 1)
     pages = pool.allocator.alloc(-(-(n + decode) // PS))
+    spare = int(pool.allocator.alloc(1)[0])       # the repeat's own page (cached TTFT)
     t0 = time.perf_counter()
     out = None
     for s in range(0, n, chunk):
@@ -122,11 +127,16 @@ def hicache_run(model, toks, chunk: int, decode: int) -> dict:
         nxt = int(out[-1].argmax())
         got.append(nxt)
     dec = time.perf_counter() - t0
-    # cached TTFT: the prompt again with its whole pages cached (as the server serves a repeat:
-    # the tail after the last whole page, at least one token, recomputed over the cached KV)
+    # cached TTFT: the prompt again, as the server serves a repeat (docs/engine-api.md, partial
+    # last-page reuse): its whole pages are the cached ones; the cached page that holds the
+    # rest of the prompt lends the KV of its first tokens to the request's own page (the same
+    # copy as admission's), and only the last token is computed
     c = (n - 1) // PS * PS
+    own = pages.copy()
+    own[c // PS] = spare
     t0 = time.perf_counter()
-    out = model.forward([Chunk(toks[c:n], c, pages)], pool.buf, PS)
+    pool.copy_slots(int(pages[c // PS]), spare, n - 1 - c)
+    out = model.forward([Chunk(toks[n - 1:n], n - 1, own)], pool.buf, PS)
     cached = time.perf_counter() - t0
     if int(out[-1].argmax()) != got[0]:
         raise RuntimeError("bench_model: the cached prompt gave another first token")
@@ -360,8 +370,8 @@ def report(a) -> None:
                 td = row["torch_kernels_decode_tok_s"]
                 line += f"; torch kernels {td:7.2f} ({d / td:.2f}x)"
             print(line)
-        line = (f"  cached {n:>5}: TTFT {row['hicache_cached_ttft_s'] * 1e3:6.1f} ms (the tail "
-                f"after the whole {PS}-token pages)")
+        line = (f"  cached {n:>5}: TTFT {row['hicache_cached_ttft_s'] * 1e3:6.1f} ms (the last "
+                f"token, the cached page's first {(n - 1) % PS} copied)")
         if use_hf:
             h = row["hf_cached_ttft_s"]
             line += (f", transformers {h * 1e3:6.1f} ms with all but the last token cached "
