@@ -256,10 +256,9 @@ struct task_args {
     /* a short chunk (every kv-head's rows in one block of R = M * G): the scores of every
      * kv-head's rows, [Hkv][R][cap], keys 0 .. tmax - 1, in nchunk chunks (phase 1's items);
      * mx [nchunk][Hkv * R]: each row's largest visible score in each chunk; the value
-     * columns in ntile tiles of PV_TILE (tph a kv-head), cut into npv contiguous runs of tiles
-     * (phase 3's items) */
+     * columns in ntile tiles of PV_TILE (tph a kv-head: phase 3's items) */
     float *sc, *mx;
-    int64_t R, cap, tmax, nchunk, ntile, tph, npv;
+    int64_t R, cap, tmax, nchunk, ntile, tph;
 };
 
 struct worker { const struct task_args *a; int32_t id; int err; };
@@ -365,6 +364,75 @@ static void pv_tile16_avx2(int64_t R, const int64_t *n, const float *buf, int64_
             P6_MROW(0) P6_MROW(1) P6_MROW(2) P6_MROW(3) P6_MROW(4) P6_MROW(5)
         }
         P6_SAVE(0) P6_SAVE(1) P6_SAVE(2) P6_SAVE(3) P6_SAVE(4) P6_SAVE(5)
+    }
+}
+
+/* The same over 32 value columns, 3 rows at a time (12 accumulators, the 3 rows'
+ * probabilities, each value vector used by the 3 FMAs that need it). A decode step's 3 rows a
+ * kv-head read the pool directly with it: each row's two lines in one pass, in the pool's
+ * order (the two threads then stream 6 column ranges of the same rows side by side: faster on
+ * 2 cores than copying each thread's half of the rows first, or 16 columns a pass). */
+#define P3_ACC(r, ok)                                                                      \
+    if (RR > r && (ok)) {                                                                  \
+        const __m256 p = _mm256_broadcast_ss(buf + (rs + r) * cap + t);                    \
+        c##r##0 = _mm256_fmadd_ps(p, v0, c##r##0);                                         \
+        c##r##1 = _mm256_fmadd_ps(p, v1, c##r##1);                                         \
+        c##r##2 = _mm256_fmadd_ps(p, v2, c##r##2);                                         \
+        c##r##3 = _mm256_fmadd_ps(p, v3, c##r##3);                                         \
+    }
+#define P3_LOAD(r)                                                                         \
+    if (RR > r) {                                                                          \
+        const float *ar = acc + (rs + r) * lda;                                            \
+        c##r##0 = _mm256_loadu_ps(ar); c##r##1 = _mm256_loadu_ps(ar + 8);                  \
+        c##r##2 = _mm256_loadu_ps(ar + 16); c##r##3 = _mm256_loadu_ps(ar + 24);            \
+    }
+#define P3_SAVE(r)                                                                         \
+    if (RR > r) {                                                                          \
+        float *ar = acc + (rs + r) * lda;                                                  \
+        _mm256_storeu_ps(ar, c##r##0); _mm256_storeu_ps(ar + 8, c##r##1);                  \
+        _mm256_storeu_ps(ar + 16, c##r##2); _mm256_storeu_ps(ar + 24, c##r##3);            \
+    }
+static void pv_tile32_avx2(int64_t R, const int64_t *n, const float *buf, int64_t cap,
+                           float *acc, int64_t lda, int64_t d0, int64_t w, int64_t t0,
+                           int64_t t1, const float *vb, int64_t ldv, const int64_t *sl,
+                           int64_t tb)
+{
+    const __m256i l0 = lanes((int32_t)w), l1 = lanes((int32_t)w - 8),
+                  l2 = lanes((int32_t)w - 16), l3 = lanes((int32_t)w - 24);
+    for (int64_t rs = 0; rs < R; rs += 3) {
+        const int64_t RR = R - rs < 3 ? R - rs : 3;
+        int64_t nmin = n[rs];
+        for (int64_t r = 1; r < RR; r++)
+            if (n[rs + r] < nmin)
+                nmin = n[rs + r];
+        __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c03 = c00,
+               c10 = c00, c11 = c00, c12 = c00, c13 = c00, c20 = c00, c21 = c00,
+               c22 = c00, c23 = c00;
+        if (t0) {
+            P3_LOAD(0) P3_LOAD(1) P3_LOAD(2)
+        }
+        const int64_t tm = t1 < nmin ? t1 : nmin > t0 ? nmin : t0;
+        for (int64_t t = t0; t < t1; t++) {
+            const float *vr = vb + (sl ? sl[t] : t - tb) * ldv + d0;
+            __m256 v0, v1, v2, v3;
+            if (w == 32) {
+                v0 = _mm256_loadu_ps(vr);
+                v1 = _mm256_loadu_ps(vr + 8);
+                v2 = _mm256_loadu_ps(vr + 16);
+                v3 = _mm256_loadu_ps(vr + 24);
+            } else {
+                v0 = _mm256_maskload_ps(vr, l0);
+                v1 = _mm256_maskload_ps(vr + 8, l1);
+                v2 = _mm256_maskload_ps(vr + 16, l2);
+                v3 = _mm256_maskload_ps(vr + 24, l3);
+            }
+            if (t < tm) {                     /* every row of the group sees key t */
+                P3_ACC(0, 1) P3_ACC(1, 1) P3_ACC(2, 1)
+            } else {                          /* each row up to its own last key */
+                P3_ACC(0, t < n[rs]) P3_ACC(1, t < n[rs + 1]) P3_ACC(2, t < n[rs + 2])
+            }
+        }
+        P3_SAVE(0) P3_SAVE(1) P3_SAVE(2)
     }
 }
 
@@ -591,11 +659,10 @@ static void pv_rows(const struct task_args *a, int64_t h, int64_t R, const int64
  * chains kept in acc (row r at acc + r * lda; zero when t0 is 0, else the stored floats of the
  * keys before t0): each output one fma chain over its row's keys in order, however the keys
  * and columns are cut. */
-#if defined(HC_AVX2)
-#define PV_TILE 16
-#define pv_tile pv_tile16_avx2
-#else
 #define PV_TILE 32
+#if defined(HC_AVX2)
+#define pv_tile pv_tile32_avx2
+#else
 /* the other bodies: 4 rows x 32 columns (two vectors of 16) at a time */
 static void pv_tile(int64_t R, const int64_t *n, const float *buf, int64_t cap, float *acc,
                     int64_t lda, int64_t d0, int64_t w, int64_t t0, int64_t t1,
@@ -831,23 +898,22 @@ static void *work(void *arg)
 }
 
 /* A short chunk (a decode step, a tail of a few tokens): three phases over every kv-head at
- * once, each reading the keys or values in memory order, whole rows, and sharing the work
- * evenly between the threads. The bits are one_block's: each score, softmax and output is the
- * same sequence, only grouped otherwise.
- *   Phase 1: chunks of SHORT_KEYS keys, every kv-head's scores for them (up to FUSED_ROWS rows
- *   a kv-head on AVX2: 8 keys transposed in registers and used at once; more rows: 16 keys
- *   transposed into a buffer that every row reads), and each row's largest visible score in
- *   the chunk.
+ * once, sharing the work evenly between the threads. The bits are one_block's: each score,
+ * softmax and output is the same sequence, only grouped otherwise.
+ *   Phase 1: chunks of SHORT_KEYS keys, 16 at a time: their rows (every kv-head) copied in
+ *   address order, then every kv-head's scores for them (up to FUSED_ROWS rows a kv-head on
+ *   AVX2: the 16 keys transposed in registers 4 dimensions at a time and used at once; more
+ *   rows: transposed into a buffer that every row reads), and each row's largest visible
+ *   score in the chunk.
  *   Phase 2: each row's softmax, its largest score the largest of its chunks'.
- *   Phase 3: P @ V in tiles of PV_TILE value columns; each thread takes a contiguous run of
- *   tiles (a contiguous part of every value row) and goes through the keys SHORT_PV_KEYS at a
- *   time, every tile of its run over them before the next ones: its part of each value row
- *   comes from memory once, the two threads' parts side by side. */
+ *   Phase 3: P @ V, one item per kv-head and PV_TILE value columns, read from the pool
+ *   directly, SHORT_PV_KEYS keys at a time (on 2 cores faster than a copy of each thread's
+ *   half of the rows: 270 against 320 us a layer at 4K context, KV out of cache). */
 #define SHORT_KEYS 256
 #ifndef SHORT_ROWS
 #define SHORT_ROWS 64      /* rows a kv-head at most (M * G) */
 #endif
-#define SHORT_PV_KEYS 32
+#define SHORT_PV_KEYS 64
 static void *short_scores(void *arg)
 {
     struct worker *w = (struct worker *)arg;
@@ -928,49 +994,27 @@ static void *short_pv(void *arg)
     struct worker *w = (struct worker *)arg;
     const struct task_args *a = w->a;
     const int64_t R = a->R, Dv = a->Dv, tph = a->tph, cap = a->cap;
-    const int64_t most = (a->ntile + a->npv - 1) / a->npv;
-    float *acc = (float *)malloc(sizeof(float) * (size_t)(most * R * PV_TILE +
-                                                          SHORT_PV_KEYS * a->ldv));
+    float *acc = (float *)malloc(sizeof(float) * (size_t)(R * PV_TILE));
     if (!acc) {
         w->err = 1;
         return 0;
     }
     int64_t mrow[SHORT_ROWS], hq[SHORT_ROWS], n[SHORT_ROWS];
     for (;;) {
-        int64_t i = __atomic_fetch_add(a->next, 1, __ATOMIC_RELAXED);
-        if (i >= a->npv)
+        int64_t tile = __atomic_fetch_add(a->next, 1, __ATOMIC_RELAXED);
+        if (tile >= a->ntile)
             break;
-        const int64_t lo = i * a->ntile / a->npv, hi = (i + 1) * a->ntile / a->npv;
-        block_rows(a, 0, 0, R, mrow, hq, n, 0);
-        /* the item's part of a value row: bytes blo .. bhi - 1 */
-        const int64_t blo = 4 * ((lo / tph) * Dv + (lo % tph) * PV_TILE);
-        const int64_t dh = ((hi - 1) % tph) * PV_TILE;
-        const int64_t bhi = 4 * (((hi - 1) / tph) * Dv + dh + (Dv - dh < PV_TILE ? Dv - dh : PV_TILE));
-        float *vbuf = acc + most * R * PV_TILE;
+        const int64_t h = tile / tph, d0 = (tile % tph) * PV_TILE;
+        const int64_t wd = Dv - d0 < PV_TILE ? Dv - d0 : PV_TILE;
+        block_rows(a, h, 0, R, mrow, hq, n, 0);
         for (int64_t t0 = 0; t0 < a->tmax; t0 += SHORT_PV_KEYS) {
             const int64_t t1 = t0 + SHORT_PV_KEYS < a->tmax ? t0 + SHORT_PV_KEYS : a->tmax;
-            /* the chunk's part of the value rows, read in address order (the tiles' own
-             * order, column range by column range, defeated the hardware's prefetch: 3x
-             * slower from memory), into rows of the pool's width */
-            for (int64_t t = t0; t < t1; t++)
-                memcpy((char *)(vbuf + (t - t0) * a->ldv) + blo,
-                       (const char *)(a->v + (a->slots ? a->slots[t] : t) * a->ldv) + blo,
-                       (size_t)(bhi - blo));
-            for (int64_t tile = lo; tile < hi; tile++) {
-                const int64_t h = tile / tph, d0 = (tile % tph) * PV_TILE;
-                pv_tile(R, n, a->sc + h * R * cap, cap, acc + (tile - lo) * R * PV_TILE,
-                        PV_TILE, d0, Dv - d0 < PV_TILE ? Dv - d0 : PV_TILE, t0, t1,
-                        vbuf + h * Dv, a->ldv, 0, t0);
-            }
+            pv_tile(R, n, a->sc + h * R * cap, cap, acc, PV_TILE, d0, wd, t0, t1,
+                    a->v + h * Dv, a->ldv, a->slots, 0);
         }
-        for (int64_t tile = lo; tile < hi; tile++) {
-            const int64_t h = tile / tph, d0 = (tile % tph) * PV_TILE;
-            const int64_t wd = Dv - d0 < PV_TILE ? Dv - d0 : PV_TILE;
-            block_rows(a, h, 0, R, mrow, hq, n, 0);
-            for (int64_t r = 0; r < R; r++)
-                memcpy(a->o + (mrow[r] * a->Hq + hq[r]) * Dv + d0,
-                       acc + ((tile - lo) * R + r) * PV_TILE, sizeof(float) * (size_t)wd);
-        }
+        for (int64_t r = 0; r < R; r++)
+            memcpy(a->o + (mrow[r] * a->Hq + hq[r]) * Dv + d0, acc + r * PV_TILE,
+                   sizeof(float) * (size_t)wd);
     }
     free(acc);
     return 0;
@@ -1019,7 +1063,6 @@ int hicache_attend(const float *q, const float *k, int64_t ldk, const float *v, 
         int64_t most = a.nchunk > a.ntile ? a.nchunk : a.ntile;
         if (threads > most)
             threads = (int32_t)most;
-        a.npv = threads < a.ntile ? threads : a.ntile;
     } else if (threads > a.tasks) {
         threads = (int32_t)a.tasks;
     }
