@@ -251,6 +251,7 @@ struct task_args {
     int64_t tasks, per_head;              /* row blocks: per_head per kv-head */
     int32_t threads;
     float *kt;                            /* keys transposed: [Hkv][nblk][D][16] */
+    float *vt;                            /* values by kv-head: [Hkv][nblk * 16][Dv] (AVX2) */
     int64_t nblk;
     int64_t *next;                        /* the next item of the phase (shared, atomic) */
     /* a short chunk (every kv-head's rows in one block of R = M * G): the scores of every
@@ -445,21 +446,17 @@ static void pv_avx2(const struct task_args *a, int64_t h, int64_t R, const int64
                     const int64_t *mrow, const int64_t *hq, const float *buf, int64_t cap,
                     float *acc, int64_t dlo, int64_t dhi)
 {
-    float *vbuf = acc + RB * ((a->Dv + 31) / 32 * 32);
     const int64_t Dv = a->Dv, Dp = (Dv + 31) / 32 * 32;
+    const float *vh = a->vt + h * a->nblk * 16 * Dv;      /* the kv-head's values, in order */
     int64_t nmax = 0;
     for (int64_t r = 0; r < R; r++)
         if (n[r] > nmax)
             nmax = n[r];
     for (int64_t t0 = 0; t0 < nmax; t0 += PV_KEYS) {
         const int64_t t1 = nmax - t0 < PV_KEYS ? nmax : t0 + PV_KEYS;
-        for (int64_t t = t0; t < t1; t++)
-            memcpy(vbuf + (t - t0) * Dv + dlo,
-                   a->v + (a->slots ? a->slots[t] : t) * a->ldv + h * Dv + dlo,
-                   sizeof(float) * (size_t)(dhi - dlo));
         for (int64_t d0 = dlo; d0 < dhi; d0 += 16)
             pv_tile16_avx2(R, n, buf, cap, acc + d0, Dp, d0, dhi - d0 < 16 ? dhi - d0 : 16,
-                           t0, t1, vbuf, Dv, 0, t0);
+                           t0, t1, vh, Dv, 0, 0);
     }
     for (int64_t r = 0; r < R; r++)
         memcpy(a->o + (mrow[r] * a->Hq + hq[r]) * Dv + dlo, acc + r * Dp + dlo,
@@ -869,6 +866,18 @@ static void *transpose(void *arg)
                 kr[j] = rows16 + (j < rows ? j : 0) * a->ldk + h * D;
             transpose_rows(kr, rows, D, a->kt + (h * a->nblk + b) * D * 16);
         }
+#if defined(HC_AVX2)
+        /* the values too, each kv-head's contiguous: the row blocks' P @ V tiles read 16
+         * columns of 64 rows at a time, 64 bytes of every row, which from the pool's rows of
+         * every kv-head the hardware's prefetch did not follow (a copy per block cost a
+         * twentieth of a prefill's time; this is one per call) */
+        for (int64_t j = 0; j < rows; j++) {
+            const float *vr = a->v + (a->slots ? a->slots[t0 + j] : t0 + j) * a->ldv;
+            for (int64_t h = 0; h < a->Hkv; h++)
+                memcpy(a->vt + (h * a->nblk * 16 + t0 + j) * a->Dv, vr + h * a->Dv,
+                       sizeof(float) * (size_t)a->Dv);
+        }
+#endif
     }
     free(rows16);
     return 0;
@@ -881,7 +890,7 @@ static void *work(void *arg)
     int64_t cap = (max_visible(a) + 15) / 16 * 16;
     const int64_t Dp = (a->Dv + 31) / 32 * 32;      /* pv_avx2's chains between key chunks */
     float *buf = (float *)malloc(sizeof(float) * (size_t)(RB * cap + RB * a->D + 16 * a->D +
-                                                          RB * Dp + PV_KEYS * a->Dv));
+                                                          RB * Dp));
     if (!buf) {
         w->err = 1;
         return 0;
@@ -1070,7 +1079,7 @@ int hicache_attend(const float *q, const float *k, int64_t ldk, const float *v, 
     static __thread float *kt_buf;
     static __thread size_t kt_cap;
     size_t need = is_short ? (size_t)(Hkv * a.R * (a.cap + a.nchunk))
-                           : (size_t)(Hkv * a.nblk * D * 16);
+                           : (size_t)(Hkv * a.nblk * 16 * (D + Dv));
     if (need > kt_cap) {
         free(kt_buf);
         kt_cap = need + need / 4;
@@ -1081,6 +1090,7 @@ int hicache_attend(const float *q, const float *k, int64_t ldk, const float *v, 
         }
     }
     a.kt = is_short ? 0 : kt_buf;
+    a.vt = is_short ? 0 : kt_buf + Hkv * a.nblk * D * 16;
     a.sc = is_short ? kt_buf : 0;
     a.mx = is_short ? kt_buf + Hkv * a.R * a.cap : 0;
     void *(*const long_phases[2])(void *) = {transpose, work};
