@@ -102,7 +102,9 @@ def test_cache_aware_routes_the_repeat_to_the_replica_that_has_it(fleet):
     _, router = fleet
     text = "cache-aware routing keeps a session's prefix where it was computed. " * 5
     first = _generate(router["cache_aware"], text)
-    assert first["cached_tokens"] == 0
+    # nothing of the text was cached: no whole page (the BOS a cached page of another prompt
+    # starts with may be copied: partial last-page reuse)
+    assert first["cached_tokens"] < PAGE
     second = _generate(router["cache_aware"], text)
     d = second["cached_tokens_details"]
     full = first["prompt_tokens"] // PAGE * PAGE
@@ -115,14 +117,14 @@ def test_round_robin_moves_the_repeat_and_the_shared_l3_still_hits(fleet):
     text = "round-robin spreads a session over replicas; the shared store remembers it. " * 5
     before = _puts(urls)
     first = _generate(router["round_robin"], text)
-    assert first["cached_tokens"] == 0
+    assert first["cached_tokens"] < PAGE          # (as above: at most a shared BOS)
     pages = first["prompt_tokens"] // PAGE
     deadline = time.monotonic() + 30           # the backup to L3 is written behind the request
     while _puts(urls) < before + pages - 1 and time.monotonic() < deadline:
         time.sleep(0.1)
     second = _generate(router["round_robin"], text)
     d = second["cached_tokens_details"]
-    assert d["device"] == 0 and d["host"] == 0, f"landed on the same replica: {second}"
+    assert d["device"] < PAGE and d["host"] == 0, f"landed on the same replica: {second}"
     assert d["storage"] >= (pages - 1) * PAGE, second
 
 

@@ -295,6 +295,15 @@ static void scores_avx2(const float *kb, const float *qb, int64_t D, int64_t R, 
     }
 }
 
+/* the fewest keys any of rows 0 .. cnt - 1 sees */
+static inline int64_t fewest(const int64_t *n, int64_t cnt)
+{
+    int64_t m = n[0];
+    for (int64_t r = 1; r < cnt; r++)
+        m = n[r] < m ? n[r] : m;
+    return m;
+}
+
 /* P @ V of one tile for AVX2 (16 registers): the R rows of a kv-head (probabilities
  * buf[r * cap + t], r's visible key count n[r]) by the w <= 16 value columns d0 .. d0 + w - 1,
  * over the keys t0 .. t1 - 1 (key t's values of the kv-head at vb + sl[t] * ldv, or at
@@ -334,10 +343,7 @@ static void pv_tile16_avx2(int64_t R, const int64_t *n, const float *buf, int64_
     const __m256i l0 = lanes((int32_t)w), l1 = lanes((int32_t)w - 8);
     for (int64_t rs = 0; rs < R; rs += 6) {
         const int64_t RR = R - rs < 6 ? R - rs : 6;
-        int64_t nmin = n[rs];
-        for (int64_t r = 1; r < RR; r++)
-            if (n[rs + r] < nmin)
-                nmin = n[rs + r];
+        const int64_t nmin = fewest(n + rs, RR);
         __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00,
                c21 = c00, c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
         if (t0) {
@@ -402,10 +408,7 @@ static void pv_tile32_avx2(int64_t R, const int64_t *n, const float *buf, int64_
                   l2 = lanes((int32_t)w - 16), l3 = lanes((int32_t)w - 24);
     for (int64_t rs = 0; rs < R; rs += 3) {
         const int64_t RR = R - rs < 3 ? R - rs : 3;
-        int64_t nmin = n[rs];
-        for (int64_t r = 1; r < RR; r++)
-            if (n[rs + r] < nmin)
-                nmin = n[rs + r];
+        const int64_t nmin = fewest(n + rs, RR);
         __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c03 = c00,
                c10 = c00, c11 = c00, c12 = c00, c13 = c00, c20 = c00, c21 = c00,
                c22 = c00, c23 = c00;
