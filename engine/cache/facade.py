@@ -22,6 +22,7 @@ import numpy as np
 
 from engine.cache.allocator import PageAllocator
 from engine.cache.events import EV, EventLog
+from engine.cache.facade_evict import EvictionMethods
 from engine.cache.facade_hints import HintMethods
 from engine.cache.hints import CacheHint, HintBook
 from engine.cache.l3 import L3Tier
@@ -52,7 +53,7 @@ _STAT_COUNTERS = ("match_tokens", "hit_l1_tokens", "hit_l2_tokens", "hit_l3_toke
                   "evicted_l1_pages", "evicted_l2_pages", "prefetch_pages")
 
 
-class HiCache(HintMethods):
+class HiCache(EvictionMethods, HintMethods):
     """The cache stack of one rank (see the module docstring and docs/engine-api.md)."""
 
     def __init__(self, config: CacheConfig, events: EventLog | None = None,
@@ -636,92 +637,7 @@ class HiCache(HintMethods):
             self.events.emit(EV.BACKUP_DONE, op=op.op_id)
 
     # ------------------------------------------------------------------ eviction
-    def _push_candidate(self, node: Node) -> None:
-        if node.parent is None or node.lock_ref:
-            return
-        hinted = node.hint_until is not None
-        if node.l1 is not None and node.n_l1_children == 0:
-            if hinted:
-                self._t1.push_hinted(node)
-            else:
-                self._t1.push(self.policy.key(node), node)
-        if node.l2 is not None and (node.l1 is not None or not node.children):
-            t2 = self._t2
-            assert t2 is not None            # L2 pages imply an L2 tier
-            if hinted:
-                t2.push_hinted(node)
-            else:
-                t2.push(self.policy.key(node), node)
-
-    def _evict(self, tier: Tier, n_pages: int) -> int:
-        """One eviction pass over ``tier`` (:meth:`Tier.evict`), recorded as one ``evict``."""
-        if tier.hheap and self.hints is not None:
-            freed, eligible, evicted = tier.evict_hinted(n_pages, self.policy.key,
-                                                         self.page_size, self.tree, self.hints)
-        else:
-            freed, eligible, evicted = tier.evict(n_pages, self.policy.key, self.page_size,
-                                                  self.tree)
-        if eligible:
-            self.events.emit(EV.EVICT, tier=tier.name, eligible=eligible, evicted=evicted)
-            self.counters[f"evicted_{tier.name}_pages"] += freed
-        return freed
-
-    def evict_l1(self, n_pages: int) -> int:
-        """Free at least ``n_pages`` L1 pages if possible (leaf-first, policy order)."""
-        return self._evict(self._t1, n_pages)
-
-    def _evict_l1_node(self, node: Node) -> bool:
-        if node.l2 is None and node.backing_up is not None:
-            self._drain(OpKind.BACKUP, until=node.backing_up[0])
-        if node.l2 is None and self.l2_alloc is not None and (
-                self.write_policy is WritePolicy.WRITE_BACK or node.children):
-            self._backup([node], sync=True)
-        parent, pages = node.parent, node.l1
-        assert parent is not None and pages is not None  # an L1 candidate: a tree node on L1
-        if node.l2 is not None:            # backed up: the node stays, L2-only
-            self.l1_alloc.free(pages)
-            node.l1 = None
-            self._push_candidate(node)
-        elif not node.children:            # nowhere else: the node leaves the tree
-            self.l1_alloc.free(pages)
-            node.l1 = None
-            if self.hints is not None:
-                self.hints.on_remove(node)
-            self.tree.remove_leaf(node)
-        else:
-            return False
-        parent.n_l1_children -= 1
-        self._push_candidate(parent)
-        return True
-
-    def evict_l2(self, n_pages: int) -> int:
-        assert self._t2 is not None, "evict_l2 without an L2 tier"
-        return self._evict(self._t2, n_pages)
-
-    def _evict_l2_node(self, node: Node) -> bool:
-        if self.l3 is not None and node.l3 < len(node.tokens) // self.page_size:
-            self._l3_put(node, sync=True)
-        parent, pages = node.parent, node.l2
-        # an L2 candidate: a tree node on L2 (so there is an L2 tier)
-        assert parent is not None and pages is not None and self.l2_alloc is not None
-        self.l2_alloc.free(pages)
-        node.l2 = None
-        if node.l1 is None:                # an L2-only leaf leaves the tree
-            if self.hints is not None:
-                self.hints.on_remove(node)
-            self.tree.remove_leaf(node)
-            self._push_candidate(parent)
-        return True
-
-    def _l3_put(self, node: Node, sync: bool = False) -> None:
-        """Store ``node``'s pages in L3 — unless its session closed (never needed again)."""
-        assert self.l3 is not None
-        if node.hint_until == float("inf"):
-            assert self.hints is not None
-            self.hints.counters["l3_writebacks_skipped"] += 1
-        else:
-            self.l3.put(node, sync=sync)
-
+    # (the passes and the candidates: engine/cache/facade_evict.py)
     def flush(self, scope: "FlushScope | str" = "cache") -> None:
         """Empty tiers (:class:`FlushScope`): ``cache`` drops every unlocked page of L1 and L2
         (locked KV stays), as SGLang's ``/flush_cache`` does; ``storage`` removes every object

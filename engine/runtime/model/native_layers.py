@@ -11,8 +11,8 @@ compares logits and pool bytes with the Python loop). What goes is the Python be
 calls: about 150 us a layer, a fifth of a decode step of smollm2-135m on 2 cores.
 
 It serves the plain case only, which :func:`usable` decides per forward: the exact CPU path in
-float32 with the native kernels on (not the library or safe products' modes... the safe mode
-runs it on one thread), grouped-query attention over the L1 pool read in place, RoPE over the
+float32 with the native kernels on (the forward's ``native_rows``: not the library mode; the
+safe mode runs it on one thread), grouped-query attention over the L1 pool read in place, RoPE over the
 whole head, no layer hooks (a prefix loading back), no tensor-parallel reduce, float32
 products. Anything else takes the Python loop, as before.
 """
@@ -73,8 +73,7 @@ def usable(model: Any, native_rows: bool, hooks: Sequence, paged: bool, kv: Any)
     return (native_rows and paged and not hooks and model.reduce is None and not cfg.is_mla
             and model.__dict__.get("_rope_ok") is not False
             and cfg.gemm_dtype == "float32" and cfg.rope_dim == cfg.head_dim
-            and cfg.head_dim % 2 == 0 and _exact.mode() != "library"
-            and isinstance(kv, torch.Tensor) and kv.dtype == torch.float32
+            and cfg.head_dim % 2 == 0 and isinstance(kv, torch.Tensor) and kv.dtype == torch.float32
             and kv.is_contiguous() and _fn() is not None)
 
 

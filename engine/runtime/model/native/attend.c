@@ -10,13 +10,15 @@
  *   o[dv] = fma chain over t = 0 .. pos[m] in order of p[t] * v[t][dv], from 0.
  * Nothing of it depends on the other rows, on how many keys the chunk needs, on the blocking or
  * on the thread count: batch invariant by construction. Rows of one kv-head (its group of query
- * heads, every query) are taken 12 at a time (two 6-row score tiles, four 3-row P @ V tiles
- * on AVX2; 8 rows took a fifth longer on a 512-token chunk). The keys are transposed once per
- * call (in registers, into a buffer the calling thread keeps) into blocks of 16 (a key per
- * vector lane), read by every row block. A short chunk (every kv-head's rows in one block: a
- * decode step) takes three phases over all kv-heads instead (short_scores below). No score
- * tensor of the whole chunk. RMS norm and the MLP's activation, at the end, are row
- * operations of the same kind.
+ * heads, every query) are taken 12 at a time (two 6-row score tiles, 6-row x 16-column P @ V
+ * tiles on AVX2; 8 rows took a fifth longer on a 512-token chunk). Once per call the keys are
+ * transposed into blocks of 16 (a key per vector lane) and, on AVX2, the values laid out by
+ * kv-head, both into a buffer the calling thread keeps, read by every row block. A short chunk
+ * (every kv-head's rows in one block: a decode step) takes three phases over all kv-heads
+ * instead (short_scores below). Rows are copied in address order before they are read kv-head
+ * by kv-head: read where they are, 16 or 64 rows apart, the hardware's prefetch did not follow.
+ * No score tensor of the whole chunk. RMS norm and the MLP's activation are row operations of
+ * the same kind; hicache_layers, at the end, runs a forward's layers in one call.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -1081,8 +1083,13 @@ int hicache_attend(const float *q, const float *k, int64_t ldk, const float *v, 
     a.threads = threads;
     static __thread float *kt_buf;
     static __thread size_t kt_cap;
+#if defined(HC_AVX2)
+    const int64_t vt_cols = Dv;           /* the values by kv-head beside the keys */
+#else
+    const int64_t vt_cols = 0;
+#endif
     size_t need = is_short ? (size_t)(Hkv * a.R * (a.cap + a.nchunk))
-                           : (size_t)(Hkv * a.nblk * 16 * (D + Dv));
+                           : (size_t)(Hkv * a.nblk * 16 * (D + vt_cols));
     if (need > kt_cap) {
         free(kt_buf);
         kt_cap = need + need / 4;
