@@ -111,6 +111,37 @@ def test_products_have_the_same_bits_on_every_isa(rowdot_libs, M, N, K):
         assert torch.equal(o, ref), key
 
 
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("M,N,K", [(1, 45, 64), (3, 100, 96), (8, 33, 32)])
+def test_block_products_have_the_same_bits_on_every_isa(rowdot_libs, kind, M, N, K):
+    """The GGUF blocks' kernel (native_quant) on each body, and the float32 panels: one set of
+    bits (the AVX2 and AVX-512 builds make the values with AVX2 instructions, the portable
+    one a lane at a time)."""
+    from engine.runtime.model import native_quant
+
+    from tests.test_native_quant import blocks     # (needs gguf: the smollm extra)
+
+    raw, w = blocks(kind, N, K, seed=M + N)
+    code, panels = native_quant.regroup(native_quant.Blocks(kind, raw), N, K)
+    p = torch.from_numpy(panels)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(K))
+    want = torch.empty((M, N))
+    packed = native_gemm.pack(w)
+    rowdot_libs["portable"].hicache_rowdot(x.data_ptr(), K, packed.data_ptr(), want.data_ptr(),
+                                           N, M, N, K, 1)
+    for name, lib in rowdot_libs.items():
+        fn = lib.hicache_rowdot_quant
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32,
+                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                       ctypes.c_int64, ctypes.c_int32]
+        for threads in (1, 3):
+            o = torch.full((M, N), float("nan"))
+            assert fn(x.data_ptr(), K, p.data_ptr(), code, o.data_ptr(), N, M, N, K,
+                      threads) == 0
+            assert torch.equal(o, want), (name, threads)
+
+
 # (queries, q-heads, kv-heads, head dim, value dim, keys): decode at a long context, a
 # chunk, odd dims (the 8- and 16-wide transposes' rests), one key; up to 64 rows a kv-head
 # take the short path's phases, more the row blocks (the last three)

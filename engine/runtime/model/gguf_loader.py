@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from engine.core.errors import InputError
+from engine.runtime.model import native_quant
 from engine.runtime.model.config import ModelConfig
 from engine.runtime.model.weights import LayerWeights, ModelWeights
 
@@ -112,13 +113,28 @@ def _tensor(r: Any, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     data = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
     if data.size != int(np.prod(shape)):
         raise InputError(f"GGUF tensor {name} has {data.size} values, config implies {shape}")
-    return torch.from_numpy(data.reshape(shape).copy())
+    w = torch.from_numpy(data.reshape(shape).copy())
+    if len(shape) == 2:               # the file's blocks beside it: exact products read them
+        native_quant.tag(w, t.tensor_type.name, np.asarray(t.data))
+    return w
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """llama.cpp's Q/K row order (pairs interleaved per head) back to rotate-half order."""
+    """llama.cpp's Q/K row order (pairs interleaved per head) back to rotate-half order (the
+    file's blocks of each row, when tagged, follow their rows)."""
     rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, -1).transpose(1, 2).reshape(rows, -1)
+    out = w.reshape(n_head, rows // n_head // 2, 2, -1).transpose(1, 2).reshape(rows, -1)
+    b = native_quant.blocks_of(w)
+    if b is not None:
+        r = b.rows
+        native_quant.tag(out, b.kind, r.reshape(n_head, rows // n_head // 2, 2, -1)
+                         .transpose(0, 2, 1, 3).reshape(rows, -1))
+    return out
+
+
+def _cat(ws: list[torch.Tensor]) -> torch.Tensor:
+    """Rows stacked (a fused product's weight), their blocks with them."""
+    return native_quant.concat(ws, torch.cat(ws))
 
 
 def gguf_weights(r: Any, cfg: ModelConfig) -> ModelWeights:
@@ -133,9 +149,9 @@ def gguf_weights(r: Any, cfg: ModelConfig) -> ModelWeights:
         layers.append(LayerWeights(
             attn_norm=_tensor(r, b + "attn_norm.weight", (H,)),
             mlp_norm=_tensor(r, b + "ffn_norm.weight", (H,)),
-            wqkv=torch.cat([q, k, v]), wo=_tensor(r, b + "attn_output.weight", (H, Hq * D)),
-            w_gate_up=torch.cat([_tensor(r, b + "ffn_gate.weight", (I, H)),
-                                 _tensor(r, b + "ffn_up.weight", (I, H))]),
+            wqkv=_cat([q, k, v]), wo=_tensor(r, b + "attn_output.weight", (H, Hq * D)),
+            w_gate_up=_cat([_tensor(r, b + "ffn_gate.weight", (I, H)),
+                            _tensor(r, b + "ffn_up.weight", (I, H))]),
             w_down=_tensor(r, b + "ffn_down.weight", (H, I))))
     embed = _tensor(r, "token_embd.weight", (cfg.vocab_size, H))
     head = embed if cfg.tie_embeddings else _tensor(r, "output.weight", (cfg.vocab_size, H))

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from engine.core import native
+from engine.runtime.model import native_quant
 
 log = logging.getLogger("hicache.model")
 
@@ -59,11 +60,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, threads: int | None = None) -> torc
     xc = x if x.is_contiguous() else x.contiguous()
     M, K = xc.shape
     N = w.shape[0]
-    packed = pack(w)
     out = torch.empty((M, N), dtype=torch.float32)
     # threads start per call: a small product (a decode step's) takes fewer (same bits)
     t = torch.get_num_threads() if threads is None else threads
     t = max(1, min(t, (M * N * K) >> 15))
+    if M <= native_quant.ROWS and native_quant.product(xc, w, out, t):
+        return out                    # from the GGUF's blocks: the same bits, fewer bytes
+    packed = pack(w)
     fn(xc.data_ptr(), K, packed.data_ptr(), out.data_ptr(), N, M, N, K, t)
     return out
 
@@ -202,6 +205,7 @@ def _load():
     from engine.runtime.model import native_pool
 
     native_pool.attach(lib)           # (the bf16 kernel is in the same library)
+    native_quant.attach(lib)          # (and the GGUF blocks' kernel)
     _self_test(fn)
     simd = {1: "AVX-512", 2: "AVX2"}.get(lib.hicache_rowdot_features(), "portable")
     return fn, f"{so.name}, {simd}"

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from engine.runtime.model import exact as _exact
-from engine.runtime.model import native_attn, native_gemm
+from engine.runtime.model import native_attn, native_gemm, native_quant
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -33,7 +33,9 @@ _I = ctypes.c_int64
 
 class _Layer(ctypes.Structure):
     _fields_ = [("attn_norm", _P), ("mlp_norm", _P), ("wqkv", _P), ("wo", _P), ("wgu", _P),
-                ("wdown", _P)]
+                ("wdown", _P), ("qqkv", _P), ("qo", _P), ("qgu", _P), ("qdown", _P),
+                ("kqkv", ctypes.c_int32), ("ko", ctypes.c_int32), ("kgu", ctypes.c_int32),
+                ("kdown", ctypes.c_int32)]
 
 
 class _Fwd(ctypes.Structure):
@@ -44,7 +46,7 @@ class _Fwd(ctypes.Structure):
                 ("act", _P), ("y", _P), ("cos", _P), ("sin", _P), ("write_slots", _P),
                 ("pos", _P), ("nchunk", _I), ("bounds", _P), ("key_slots", _P),
                 ("key_count", _P), ("threads", ctypes.c_int32), ("attn_threads", ctypes.c_int32),
-                ("rowdot", _P)]
+                ("rowdot", _P), ("rowdot_quant", _P), ("quant_rows", _I)]
 
 
 def _fn() -> Any:
@@ -89,8 +91,12 @@ def _layers_of(model: Any) -> tuple[Any, list]:
         parts = [lw.attn_norm.contiguous(), lw.mlp_norm.contiguous(), native_gemm.pack(lw.wqkv),
                  native_gemm.pack(lw.wo), native_gemm.pack(lw.w_gate_up),
                  native_gemm.pack(lw.w_down)]
-        keep += parts
-        table[i] = _Layer(*[t.data_ptr() for t in parts])
+        # the GGUF's blocks of each product where they give its exact values (else 0)
+        quant = [native_quant.panels(w) for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)]
+        keep += parts + [q[1] for q in quant if q is not None]
+        table[i] = _Layer(*[t.data_ptr() for t in parts],
+                          *[0 if q is None else q[1].data_ptr() for q in quant],
+                          *[0 if q is None else q[0] for q in quant])
     model._native_layer_table = (table, keep)
     return model._native_layer_table
 
@@ -124,13 +130,15 @@ def run(model: Any, x: torch.Tensor, kv: torch.Tensor, write_slots: torch.Tensor
     ws = write_slots.to(torch.int64).contiguous()
     ps = pos.to(torch.int64).contiguous()
     cs, sn = cos.contiguous(), sin.contiguous()
+    fq = native_quant.kernel()
+    quant = ctypes.cast(fq, _P).value if fq is not None else 0
     safe = _exact.mode() == "safe"
     threads = 1 if safe else torch.get_num_threads()
     f = _Fwd(M, d, Hq, Hkv, D, inter, kv.shape[2], cfg.rms_eps, model.scale,
              kv.data_ptr(), kv.stride(0), kv.stride(1),
              out.data_ptr(), *ptrs, cs.data_ptr(), sn.data_ptr(), ws.data_ptr(), ps.data_ptr(),
              len(sl), ctypes.addressof(bnd), ctypes.addressof(key_ptrs),
-             ctypes.addressof(key_count), threads, threads, rowdot)
+             ctypes.addressof(key_count), threads, threads, rowdot, quant, native_quant.ROWS)
     rc = fn(ctypes.addressof(table), len(model.w.layers), ctypes.byref(f))
     if rc == -3:
         raise ValueError("native layers: a query would read past its page table")

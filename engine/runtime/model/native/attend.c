@@ -1233,7 +1233,12 @@ typedef int (*rowdot_fn)(const float *, int64_t, const float *, float *, int64_t
 
 struct hc_layer {               /* one layer's weights: norms, the products' packed panels */
     const float *attn_norm, *mlp_norm, *wqkv, *wo, *wgu, *wdown;
+    /* the same products as the GGUF's blocks (rowdot.c's hicache_rowdot_quant), or 0 */
+    const unsigned char *qqkv, *qo, *qgu, *qdown;
+    int32_t kqkv, ko, kgu, kdown;
 };
+typedef int (*rowdot_quant_fn)(const float *, int64_t, const unsigned char *, int32_t, float *,
+                               int64_t, int64_t, int64_t, int64_t, int32_t);
 
 struct hc_fwd {
     int64_t M, hidden, Hq, Hkv, D, inter, nslots;
@@ -1252,6 +1257,8 @@ struct hc_fwd {
     const int64_t *key_count;   /* per chunk: how many */
     int32_t threads, attn_threads;
     rowdot_fn rowdot;
+    rowdot_quant_fn rowdot_quant;   /* 0: float32 panels only */
+    int64_t quant_rows;             /* the most rows a product takes from the blocks */
 };
 
 /* the threads the Python wrapper gives a product (native_gemm.linear): the same formula */
@@ -1261,6 +1268,19 @@ static int32_t product_threads(int32_t t, int64_t M, int64_t N, int64_t K)
     if (t > most)
         t = (int32_t)most;
     return t < 1 ? 1 : t;
+}
+
+/* o = x @ w.T: from the blocks where the layer has them and the rows are few (the same bits:
+ * rowdot.c), else from the float32 panels */
+static void product(const struct hc_fwd *f, const float *x, int64_t ldx, const float *p,
+                    const unsigned char *qp, int32_t kind, float *o, int64_t ldo, int64_t N,
+                    int64_t K)
+{
+    const int32_t t = product_threads(f->threads, f->M, N, K);
+    if (qp && f->rowdot_quant && f->M <= f->quant_rows
+        && f->rowdot_quant(x, ldx, qp, kind, o, ldo, f->M, N, K, t) != -2)
+        return;
+    f->rowdot(x, ldx, p, o, ldo, f->M, N, K, t);
 }
 
 static void add_rows(float *x, const float *y, int64_t n)
@@ -1280,8 +1300,7 @@ int hicache_layers(const struct hc_layer *layers, int64_t nl, const struct hc_fw
         const struct hc_layer *L = &layers[li];
         float *k_pool = f->kv + li * f->kv_layer, *v_pool = k_pool + f->kv_kind;
         hicache_rms_norm(f->x, d, M, d, L->attn_norm, f->eps, f->h);
-        f->rowdot(f->h, d, L->wqkv, f->qkv, W, M, W, d,
-                  product_threads(f->threads, M, W, d));
+        product(f, f->h, d, L->wqkv, L->qqkv, L->kqkv, f->qkv, W, W, d);
         if (hicache_rope_write(f->qkv, M, Hq, Hkv, D, f->cos, f->sin, f->q, k_pool, v_pool,
                                f->write_slots, f->nslots) != 0)
             return -5;
@@ -1294,15 +1313,12 @@ int hicache_layers(const struct hc_layer *layers, int64_t nl, const struct hc_fw
             if (rc != 0)
                 return rc;
         }
-        f->rowdot(f->att, Hq * D, L->wo, f->y, d, M, d, Hq * D,
-                  product_threads(f->threads, M, d, Hq * D));
+        product(f, f->att, Hq * D, L->wo, L->qo, L->ko, f->y, d, d, Hq * D);
         add_rows(f->x, f->y, M * d);
         hicache_rms_norm(f->x, d, M, d, L->mlp_norm, f->eps, f->h);
-        f->rowdot(f->h, d, L->wgu, f->gu, 2 * I, M, 2 * I, d,
-                  product_threads(f->threads, M, 2 * I, d));
+        product(f, f->h, d, L->wgu, L->qgu, L->kgu, f->gu, 2 * I, 2 * I, d);
         hicache_silu_mul(f->gu, 2 * I, M, I, f->act);
-        f->rowdot(f->act, I, L->wdown, f->y, d, M, d, I,
-                  product_threads(f->threads, M, d, I));
+        product(f, f->act, I, L->wdown, L->qdown, L->kdown, f->y, d, d, I);
         add_rows(f->x, f->y, M * d);
     }
     return 0;

@@ -360,6 +360,255 @@ int hicache_rowdot(const float *x, int64_t ldx, const float *p, float *o, int64_
     return on_threads(run, &job, threads);
 }
 
+/* ---- products from the GGUF's own blocks: the same float32 values, fewer bytes -------------
+ * A weight read from a GGUF file as Q4_1 or Q8_0 blocks (32 values along k: a float16 scale d,
+ * for Q4_1 a float16 offset m, and 4- or 8-bit integers q) has, once dequantised, the values
+ * w = d*q + m (Q4_1) or d*q (Q8_0) in float32. d*q is exact in float32 (11 significant bits
+ * times at most 8), so one fused multiply-add gives the same bits as the loader's multiply then
+ * add. The panels here hold those blocks regrouped by 32 output columns (native_gemm.pack_quant):
+ * per panel, per block of 32 k: d[32] and (Q4_1) m[32] as float32, then for each k the 32
+ * columns' integers (Q4_1: 16 bytes, column j in the low and column j + 16 in the high nibble;
+ * Q8_0: 32 signed bytes). A block is turned back into 32 x 32 float32 values in a buffer that
+ * stays in L1, and the rows' chains go through it exactly as through a float32 panel (the
+ * chained passes above: stored and reloaded floats, the same bits). So every output element is
+ * the same sequence of fused multiply-adds on the same values as hicache_rowdot's: the same
+ * bits, reading 0.75 (Q4_1) or 1.125 (Q8_0) bytes a weight instead of 4. The caller checks at
+ * pack time that hicache_quant_values gives exactly the float32 weight (else keeps float32). */
+#define QK 32
+#define QROWS_MAX 24
+static int64_t quant_products;
+
+static inline int64_t qblock_bytes(int kind)
+{
+    return kind == 1 ? 2 * 4 * QK + QK * QK / 2 : 4 * QK + QK * QK;
+}
+
+/* one block (32 k x 32 columns) as float32, k-major: buf[k * 32 + j] */
+static void dequant_block(const unsigned char *blk, int kind, float *buf)
+{
+    const float *d = (const float *)blk;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8),
+                 d2 = _mm256_loadu_ps(d + 16), d3 = _mm256_loadu_ps(d + 24);
+    if (kind == 1) {
+        const float *m = d + QK;
+        const __m256 m0 = _mm256_loadu_ps(m), m1 = _mm256_loadu_ps(m + 8),
+                     m2 = _mm256_loadu_ps(m + 16), m3 = _mm256_loadu_ps(m + 24);
+        const unsigned char *nib = blk + 2 * 4 * QK;
+        const __m128i low = _mm_set1_epi8(0x0F);
+        for (int k = 0; k < QK; k++) {
+            __m128i v = _mm_loadu_si128((const __m128i *)(nib + 16 * k));
+            __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+            float *b = buf + QK * k;
+            _mm256_storeu_ps(b, _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m0));
+            _mm256_storeu_ps(b + 8, _mm256_fmadd_ps(
+                d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), m1));
+            _mm256_storeu_ps(b + 16, _mm256_fmadd_ps(d2, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m2));
+            _mm256_storeu_ps(b + 24, _mm256_fmadd_ps(
+                d3, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), m3));
+        }
+        return;
+    }
+    const signed char *q = (const signed char *)(blk + 4 * QK);
+    for (int k = 0; k < QK; k++) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(q + QK * k)),
+                b = _mm_loadu_si128((const __m128i *)(q + QK * k + 16));
+        float *o = buf + QK * k;
+        _mm256_storeu_ps(o, _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a))));
+        _mm256_storeu_ps(o + 8, _mm256_mul_ps(
+            d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)))));
+        _mm256_storeu_ps(o + 16, _mm256_mul_ps(d2, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))));
+        _mm256_storeu_ps(o + 24, _mm256_mul_ps(
+            d3, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))));
+    }
+#else
+    if (kind == 1) {
+        const float *m = d + QK;
+        const unsigned char *nib = blk + 2 * 4 * QK;
+        for (int k = 0; k < QK; k++)
+            for (int j = 0; j < 16; j++) {
+                unsigned char v = nib[16 * k + j];
+                buf[QK * k + j] = fmaf(d[j], (float)(v & 0x0F), m[j]);
+                buf[QK * k + j + 16] = fmaf(d[j + 16], (float)(v >> 4), m[j + 16]);
+            }
+        return;
+    }
+    const signed char *q = (const signed char *)(blk + 4 * QK);
+    for (int k = 0; k < QK; k++)
+        for (int j = 0; j < QK; j++)
+            buf[QK * k + j] = d[j] * (float)q[QK * k + j];
+#endif
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* One row against a whole panel of blocks, the values made in registers and used at once (no
+ * buffer): per output element the same chain, x[k] * w[k] added in k order from zero. */
+static void quant_row(const float *x, const unsigned char *panel, int kind, int64_t blocks,
+                      int64_t bb, float *o, int64_t cols)
+{
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t b = 0; b < blocks; b++) {
+        const unsigned char *blk = panel + b * bb;
+        const float *d = (const float *)blk, *xb = x + b * QK;
+        const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8),
+                     d2 = _mm256_loadu_ps(d + 16), d3 = _mm256_loadu_ps(d + 24);
+        if (kind == 1) {
+            const float *m = d + QK;
+            const __m256 m0 = _mm256_loadu_ps(m), m1 = _mm256_loadu_ps(m + 8),
+                         m2 = _mm256_loadu_ps(m + 16), m3 = _mm256_loadu_ps(m + 24);
+            const unsigned char *nib = blk + 2 * 4 * QK;
+            const __m128i low = _mm_set1_epi8(0x0F);
+            for (int k = 0; k < QK; k++) {
+                __m128i v = _mm_loadu_si128((const __m128i *)(nib + 16 * k));
+                __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+                __m256 xv = _mm256_broadcast_ss(xb + k);
+                a0 = _mm256_fmadd_ps(xv, _mm256_fmadd_ps(
+                    d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m0), a0);
+                a1 = _mm256_fmadd_ps(xv, _mm256_fmadd_ps(
+                    d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), m1), a1);
+                a2 = _mm256_fmadd_ps(xv, _mm256_fmadd_ps(
+                    d2, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m2), a2);
+                a3 = _mm256_fmadd_ps(xv, _mm256_fmadd_ps(
+                    d3, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), m3), a3);
+            }
+            continue;
+        }
+        const signed char *q = (const signed char *)(blk + 4 * QK);
+        for (int k = 0; k < QK; k++) {
+            const signed char *qk = q + QK * k;
+            __m256 xv = _mm256_broadcast_ss(xb + k);
+            a0 = _mm256_fmadd_ps(xv, _mm256_mul_ps(d0, _mm256_cvtepi32_ps(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)qk)))), a0);
+            a1 = _mm256_fmadd_ps(xv, _mm256_mul_ps(d1, _mm256_cvtepi32_ps(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qk + 8))))), a1);
+            a2 = _mm256_fmadd_ps(xv, _mm256_mul_ps(d2, _mm256_cvtepi32_ps(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qk + 16))))), a2);
+            a3 = _mm256_fmadd_ps(xv, _mm256_mul_ps(d3, _mm256_cvtepi32_ps(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qk + 24))))), a3);
+        }
+    }
+    float tmp[32];
+    _mm256_storeu_ps(tmp, a0);
+    _mm256_storeu_ps(tmp + 8, a1);
+    _mm256_storeu_ps(tmp + 16, a2);
+    _mm256_storeu_ps(tmp + 24, a3);
+    memcpy(o, tmp, sizeof(float) * (size_t)cols);
+}
+#endif
+
+#if !defined(HC_AVX2)
+/* R rows (at most 3) against 32 k-steps of a float32 panel slice, the chains continued from
+ * `in` (rows 32 floats apart) when given: the fused multiply-adds of BLOCK above, in order */
+static void chain_rows(const float *x, int64_t ldx, const float *p, float *o, int64_t ldo,
+                       int64_t K, int64_t cols, const float *in, int R)
+{
+    for (int r = 0; r < R; r++) {
+        vec a0 = in ? vload16(in + 32 * r) : vzero(), a1 = in ? vload16(in + 32 * r + 16) : vzero();
+        for (int64_t k = 0; k < K; k++) {
+            vec xb = vbcast(x[r * ldx + k]);
+            a0 = vfma(xb, vload16(p + 32 * k), a0);
+            a1 = vfma(xb, vload16(p + 32 * k + 16), a1);
+        }
+        vstore(o + r * ldo, a0, a1, cols);
+    }
+}
+#endif
+
+struct qjob {
+    const float *x;
+    const unsigned char *p;
+    float *o;
+    int64_t M, N, K, ldx, ldo, panels;
+    int kind;
+    int64_t *next;
+};
+
+static void *qrun(void *arg)
+{
+    const struct qjob *j = (const struct qjob *)arg;
+    float buf[QK * QK] __attribute__((aligned(64)));
+    float acc[QROWS_MAX * 32] __attribute__((aligned(64)));
+    const int64_t bb = qblock_bytes(j->kind), blocks = j->K / QK;
+    for (;;) {
+        int64_t q = __atomic_fetch_add(j->next, 1, __ATOMIC_RELAXED);
+        if (q >= j->panels)
+            break;
+        const int64_t n = 32 * q, cols = j->N - n < 32 ? j->N - n : 32;
+        const unsigned char *panel = j->p + q * blocks * bb;
+#if defined(__AVX2__) && defined(__FMA__)
+        if (j->M == 1) {
+            quant_row(j->x, panel, j->kind, blocks, bb, j->o + n, cols);
+            continue;
+        }
+#endif
+        for (int64_t b = 0; b < blocks; b++) {
+            dequant_block(panel + b * bb, j->kind, buf);
+            const int last = b == blocks - 1;
+            for (int64_t r0 = 0; r0 < j->M; r0 += 3) {
+                const int rr = j->M - r0 < 3 ? (int)(j->M - r0) : 3;
+                const float *xr = j->x + r0 * j->ldx + b * QK;
+                float *out = last ? j->o + r0 * j->ldo + n : acc + r0 * 32;
+                const int64_t ldo = last ? j->ldo : 32, c = last ? cols : 32;
+                const float *in = b ? acc + r0 * 32 : 0;
+#if defined(HC_AVX2)
+                MICRO32S[rr](xr, j->ldx, buf, out, ldo, QK, c, in);
+#else
+                chain_rows(xr, j->ldx, buf, out, ldo, QK, c, in, rr);
+#endif
+            }
+        }
+    }
+    return 0;
+}
+
+/* o[M, N] = x[M, K] @ w.T with w given as block panels (above; kind 1 = Q4_1, 2 = Q8_0), the
+ * same bits as hicache_rowdot on the float32 weight. Returns 0; -1 if a thread could not be
+ * started (the others take its panels: the same bits); -2 for a shape it does not take (K not
+ * a multiple of 32, more than QROWS_MAX rows, an unknown kind). */
+int hicache_rowdot_quant(const float *x, int64_t ldx, const unsigned char *p, int32_t kind,
+                         float *o, int64_t ldo, int64_t M, int64_t N, int64_t K,
+                         int32_t threads)
+{
+    if (M <= 0 || N <= 0)
+        return 0;
+    if (K % QK || K <= 0 || M > QROWS_MAX || (kind != 1 && kind != 2))
+        return -2;
+    if (threads < 1)
+        threads = 1;
+    if (threads > MAX_THREADS)
+        threads = MAX_THREADS;
+    int64_t panels = (N + 31) / 32;
+    if (threads > panels)
+        threads = (int32_t)panels;
+    int64_t next = 0;
+    struct qjob job = {x, p, o, M, N, K, ldx, ldo, panels, kind, &next};
+    __atomic_fetch_add(&quant_products, 1, __ATOMIC_RELAXED);
+    return on_threads(qrun, &job, threads);
+}
+
+/* how many products the blocks have served in this process (tests, reports) */
+int64_t hicache_quant_products(void) { return __atomic_load_n(&quant_products, __ATOMIC_RELAXED); }
+
+/* the float32 values the panels stand for, as the weight w[N, K] (row-major): what the
+ * caller compares with the loader's weight before it uses the panels */
+int hicache_quant_values(const unsigned char *p, int32_t kind, float *w, int64_t N, int64_t K)
+{
+    if (K % QK || K <= 0 || (kind != 1 && kind != 2))
+        return -2;
+    float buf[QK * QK];
+    const int64_t bb = qblock_bytes(kind), blocks = K / QK;
+    for (int64_t q = 0; q * 32 < N; q++)
+        for (int64_t b = 0; b < blocks; b++) {
+            dequant_block(p + (q * blocks + b) * bb, kind, buf);
+            for (int64_t j = 0; j < 32 && 32 * q + j < N; j++)
+                for (int k = 0; k < QK; k++)
+                    w[(32 * q + j) * K + b * QK + k] = buf[QK * k + j];
+        }
+    return 0;
+}
+
+int hicache_quant_rows_max(void) { return QROWS_MAX; }
+
 /* ---- bfloat16 products (AVX512_BF16): the same shape of computation on bf16 pairs ----------
  * x is rounded to bfloat16 (round to nearest even, one fixed function per element) and taken
  * two reduction indices at a time: each output element is one float32 accumulator from zero,
