@@ -118,8 +118,7 @@ def test_block_products_have_the_same_bits_on_every_isa(rowdot_libs, kind, M, N,
     bits (the AVX2 and AVX-512 builds make the values with AVX2 instructions, the portable
     one a lane at a time)."""
     from engine.runtime.model import native_quant
-
-    from tests.test_native_quant import blocks     # (needs gguf: the smollm extra)
+    from tests.test_native_quant import blocks  # (needs gguf: the smollm extra)
 
     raw, w = blocks(kind, N, K, seed=M + N)
     code, panels = native_quant.regroup(native_quant.Blocks(kind, raw), N, K)

@@ -88,7 +88,7 @@ def tag(w: torch.Tensor, kind: str, rows: np.ndarray) -> torch.Tensor:
     when the kernel takes their type; returns ``w``."""
     if kind in KINDS and rows.ndim == 2 and rows.shape[0] == w.shape[0] and w.dim() == 2 \
             and w.shape[1] % QK == 0 and rows.shape[1] == w.shape[1] // QK * _ROW_BYTES[kind]:
-        w._hicache_blocks = Blocks(kind, rows)
+        w._hicache_blocks = Blocks(kind, rows)   # type: ignore[attr-defined]
     return w
 
 
@@ -99,9 +99,9 @@ def blocks_of(w: torch.Tensor) -> Blocks | None:
 def concat(ws: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
     """Tag ``out`` (``torch.cat(ws)``) with the parts' blocks when all have blocks of one
     type; returns ``out``."""
-    parts = [blocks_of(w) for w in ws]
-    if parts and all(p is not None for p in parts) and len({p.kind for p in parts}) == 1:
-        tag(out, parts[0].kind, np.concatenate([p.rows for p in parts]))
+    parts = [b for b in (blocks_of(w) for w in ws) if b is not None]
+    if parts and len(parts) == len(ws) and len({b.kind for b in parts}) == 1:
+        tag(out, parts[0].kind, np.concatenate([b.rows for b in parts]))
     return out
 
 
@@ -165,7 +165,7 @@ def panels(w: torch.Tensor) -> tuple[int, torch.Tensor] | None:
             else:
                 log.warning("exact products: a %s weight [%d, %d] did not match its blocks; "
                             "it keeps float32 panels", b.kind, N, K)
-    w._hicache_qpanels = (key, res)
+    w._hicache_qpanels = (key, res)   # type: ignore[attr-defined]
     return res
 
 
