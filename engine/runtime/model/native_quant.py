@@ -151,9 +151,11 @@ def panels(w: torch.Tensor) -> tuple[int, torch.Tensor] | None:
     if got is not None and got[0] == key:
         return got[1]
     b = blocks_of(w)
-    res = None
     vals = _state.get("values")
-    if b is not None and vals is not None and w.dtype == torch.float32 and w.device.type == "cpu":
+    if vals is None:                  # the library not loaded (yet): nothing decided
+        return None
+    res = None
+    if b is not None and w.dtype == torch.float32 and w.device.type == "cpu":
         with _lock:
             N, K = w.shape
             kind, raw = regroup(b, N, K)
