@@ -94,13 +94,34 @@ def model_costs(cfg) -> dict:
             "kv_bytes_per_ctx": 2 * kv * 4 * L}
 
 
-def limits(costs: dict, gflops: float, gbps: float, n: int, weight_bytes: int = 4) -> dict:
-    """``weight_bytes``: 4 (float32 products), 2 (bf16: the decode limit reads half)."""
+def limits(costs: dict, gflops: float, gbps: float, n: int, weight_bytes: int = 4,
+           read_bytes: int | None = None) -> dict:
+    """``weight_bytes``: 4 (float32 products), 2 (bf16: the decode limit reads half).
+    ``read_bytes``: the weight bytes a decode step of this path actually reads (the GGUF's
+    blocks where it reads them, :func:`decode_weight_bytes`): the second decode limit."""
     prefill_flops = 2 * costs["layer_params"] + costs["attn_flops_per_ctx"] * n / 2
-    decode_bytes = weight_bytes * (costs["layer_params"] + costs["head_params"]) + \
-        costs["kv_bytes_per_ctx"] * n
-    return {"prefill_tok_s": gflops * 1e9 / prefill_flops,
-            "decode_tok_s": gbps * 1e9 / decode_bytes}
+    kv = costs["kv_bytes_per_ctx"] * n
+    decode_bytes = weight_bytes * (costs["layer_params"] + costs["head_params"]) + kv
+    out = {"prefill_tok_s": gflops * 1e9 / prefill_flops,
+           "decode_tok_s": gbps * 1e9 / decode_bytes}
+    if read_bytes is not None:
+        out["decode_read_tok_s"] = gbps * 1e9 / (read_bytes + kv)
+        out["decode_read_bytes"] = read_bytes + kv
+    return out
+
+
+def decode_weight_bytes(model) -> int:
+    """The weight bytes one decode step of ``model``'s exact path reads: each product's
+    GGUF blocks where it takes them (engine.runtime.model.native_quant), else its float32
+    panels; the norms are noise."""
+    from engine.runtime.model import native_quant
+
+    total = 0
+    for w in [w for lw in model.w.layers for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)] \
+            + [model.w.lm_head]:
+        got = native_quant.panels(w) if native_quant.kernel() is not None else None
+        total += got[1].numel() if got is not None else 4 * w.numel()
+    return total
 
 
 # --------------------------------------------------------------------------- hicache side
@@ -258,8 +279,17 @@ def report(a) -> None:
     bf = {k: {"prefill_s": float("inf"), "decode_s": float("inf")} for k in prompts}
     hc_tokens, hf_tokens, hf_meta, bf_tokens = {}, {}, {}, {}
     hicache_run(model, prompts[str(lens[0])][:64], a.chunk, 1)      # warm-up: first-call checks
+    from engine.runtime.model import native_quant
+
+    read_bytes = decode_weight_bytes(model)
+    f32_why = "" if read_bytes < 4 * (costs["layer_params"] + costs["head_params"]) else \
+        "the model's products read float32 panels only"
+    if a.no_float32_panels:
+        f32_why = "--no-float32-panels"
     sides = ["hicache", "hf"] + ([] if a.no_torch_kernels else ["torch"]) + \
-        ([] if bf_model is None else ["bf16"])
+        ([] if bf_model is None else ["bf16"]) + ([] if f32_why else ["f32"])
+    fp = {k: {"prefill_s": float("inf"), "decode_s": float("inf")} for k in prompts}
+    fp_tokens: dict = {}
     for r in range(a.repeat):
         if r:      # the limits too, every round: the best of them, as of every side
             gflops = max(gflops, gemm_gflops())
@@ -268,7 +298,17 @@ def report(a) -> None:
             gbps = max(gbps, read_gbps())
         order = sides if r % 2 == 0 else sides[::-1]
         for side in order:
-            if side == "torch":                  # the same exact path on the torch kernels
+            if side == "f32":                    # the same kernels, float32 panels only
+                os.environ[native_quant.ENV] = "0"
+                try:
+                    for k, toks in prompts.items():
+                        got = hicache_run(model, toks, a.chunk, a.decode)
+                        fp_tokens[k] = got["tokens"]
+                        for f in ("prefill_s", "decode_s", "cached_s"):
+                            fp[k][f] = min(fp[k].get(f, float("inf")), got[f])
+                finally:
+                    os.environ.pop(native_quant.ENV, None)
+            elif side == "torch":                # the same exact path on the torch kernels
                 os.environ["HICACHE_EXACT_NATIVE"] = "0"
                 try:
                     for k, toks in prompts.items():
@@ -301,13 +341,20 @@ def report(a) -> None:
     rows = []
     for n in lens:
         k = str(n)
-        lim = limits(costs, gflops, gbps, n)
+        lim = limits(costs, gflops, gbps, n, read_bytes=read_bytes)
         row = {"prompt": n,
                "hicache_prefill_tok_s": n / hc[k]["prefill_s"],
                "hicache_decode_tok_s": a.decode / hc[k]["decode_s"] if a.decode else None,
                "hicache_cached_ttft_s": hc[k]["cached_s"],
                "limit_prefill_tok_s": lim["prefill_tok_s"],
-               "limit_decode_tok_s": lim["decode_tok_s"]}
+               "limit_decode_tok_s": lim["decode_tok_s"],
+               "limit_decode_read_tok_s": lim["decode_read_tok_s"],
+               "decode_read_mb": round(lim["decode_read_bytes"] / 1e6, 1)}
+        if not f32_why:
+            row["float32_panels_decode_tok_s"] = a.decode / fp[k]["decode_s"] if a.decode \
+                else None
+            row["float32_panels_cached_ttft_s"] = fp[k]["cached_s"]
+            row["float32_panels_same_tokens"] = fp_tokens[k] == hc_tokens[k]
         if not a.no_torch_kernels:
             row["torch_kernels_prefill_tok_s"] = n / tk[k]["prefill_s"]
             row["torch_kernels_decode_tok_s"] = a.decode / tk[k]["decode_s"] if a.decode \
@@ -335,7 +382,8 @@ def report(a) -> None:
            "repeat": a.repeat, "load_average": [round(load0, 2), round(load1, 2)],
            "gemm_gflops_fp32": round(gflops, 1), "gemm_gflops_bf16": round(gflops_bf16, 1),
            "read_gb_s": round(gbps, 2), "bf16": "run" if bf_model is not None else
-           f"skipped: {bf_why}",
+           f"skipped: {bf_why}", "decode_weight_mb": round(read_bytes / 1e6, 1),
+           "float32_panels": "run" if not f32_why else f"skipped: {f32_why}",
            "transformers": hf_meta if use_hf else f"skipped: {hf_why}", "rows": rows}
     if a.json:
         print(json.dumps(out, indent=2))
@@ -360,7 +408,10 @@ def report(a) -> None:
             line += f"; torch kernels {tp:7.1f} ({p / tp:.2f}x)"
         print(line)
         if d is not None:
-            line = (f"  context {n:>4}: decode  {d:7.2f} tok/s ({d / ld:4.0%} of limit {ld:.1f})")
+            lr = row["limit_decode_read_tok_s"]
+            line = (f"  context {n:>4}: decode  {d:7.2f} tok/s ({d / ld:4.0%} of limit {ld:.1f}"
+                    + (f"; {d / lr:4.0%} of {lr:.1f} for the {row['decode_read_mb']:.0f} MB it "
+                       f"reads" if abs(lr - ld) > 1e-6 * ld else "") + ")")
             if use_hf:
                 hd = row["hf_decode_tok_s"]
                 same = ("equal" if row["greedy_tokens_equal"] else
@@ -369,6 +420,10 @@ def report(a) -> None:
             if "torch_kernels_decode_tok_s" in row:
                 td = row["torch_kernels_decode_tok_s"]
                 line += f"; torch kernels {td:7.2f} ({d / td:.2f}x)"
+            if "float32_panels_decode_tok_s" in row:
+                fd = row["float32_panels_decode_tok_s"]
+                same = "same tokens" if row["float32_panels_same_tokens"] else "TOKENS DIFFER"
+                line += f"; float32 panels {fd:7.2f} ({d / fd:.2f}x, {same})"
             print(line)
         line = (f"  cached {n:>5}: TTFT {row['hicache_cached_ttft_s'] * 1e3:6.1f} ms (the last "
                 f"token, the cached page's first {(n - 1) % PS} copied)")
@@ -376,6 +431,8 @@ def report(a) -> None:
             h = row["hf_cached_ttft_s"]
             line += (f", transformers {h * 1e3:6.1f} ms with all but the last token cached "
                      f"({h / row['hicache_cached_ttft_s']:.2f}x)")
+        if "float32_panels_cached_ttft_s" in row:
+            line += f"; float32 panels {row['float32_panels_cached_ttft_s'] * 1e3:6.1f} ms"
         print(line)
         if "bf16_prefill_tok_s" in row:
             bp, bd = row["bf16_prefill_tok_s"], row["bf16_decode_tok_s"]
@@ -398,6 +455,12 @@ def report(a) -> None:
             print(line + "; " + same)
     if bf_model is None:
         print(f"bf16 products: skipped ({bf_why})")
+    print(f"decode weights: {read_bytes / 1e6:.0f} MB a step ("
+          + ("the GGUF's blocks, the same float32 values and bits; float32 panels: "
+             f"{4 * (costs['layer_params'] + costs['head_params']) / 1e6:.0f} MB"
+             if read_bytes < 4 * (costs["layer_params"] + costs["head_params"])
+             else "float32 panels") + ")"
+          + ("" if not f32_why else f"; float32-panels side skipped ({f32_why})"))
 
 
 # --------------------------------------------------------------------------- A/B mode
@@ -482,6 +545,8 @@ def main() -> None:
                     help="skip the exact path on the torch kernels (HICACHE_EXACT_NATIVE=0)")
     ap.add_argument("--no-bf16", action="store_true",
                     help="skip the exact path with bf16 products (--gemm-dtype bfloat16)")
+    ap.add_argument("--no-float32-panels", action="store_true",
+                    help="skip the exact path without the GGUF's blocks (HICACHE_EXACT_QUANT=0)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--baseline", help="A/B mode: another ops.py to compare with")
     ap.add_argument("--models", default="tiny,smollm2-135m", help="A/B mode: models")
