@@ -52,7 +52,8 @@ def test_batch_mates_do_not_change_output_bits_at_8_threads(tier, tmp_path):
     try:
         info = requests.get(url + "/get_server_info", timeout=30).json()
         assert info["threads"] == 8 and info["exact_kernels"] and not info["exact_fallbacks"]
-        assert set(info["native_kernels"]) == {"products", "attention", "threads"}
+        assert set(info["native_kernels"]) == {"products", "attention", "threads",
+                                               "block_products"}
         p = prompt(150, 1)
         alone, _ = _gen(url, p)                          # fresh, alone
         for k, mates in enumerate((1, 3, 7)):

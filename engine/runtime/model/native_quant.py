@@ -78,6 +78,16 @@ def products() -> int:
     return int(count()) if count is not None else 0
 
 
+def describe() -> str:
+    """A line for reports (``/get_server_info``)."""
+    if not enabled():
+        return f"off ({ENV}=0)"
+    if _state.get("fn") is None:
+        return "not loaded (the products' library is not built or not used yet)"
+    return (f"GGUF Q4_1/Q4_0/Q8_0 blocks for products of at most {ROWS} rows, where the "
+            f"model's weights came from them ({products()} products so far)")
+
+
 def kernel():
     """The C function ``hicache_rowdot_quant`` (for native_layers), or None."""
     return _state.get("fn") if enabled() else None

@@ -36,10 +36,10 @@ def _exact_report() -> list[str]:
 
 def _native_kernels() -> dict[str, str]:
     """Which C kernels the exact CPU path runs (instruction set) and how they get threads."""
-    from engine.runtime.model import native_attn, native_gemm, native_pool
+    from engine.runtime.model import native_attn, native_gemm, native_pool, native_quant
 
     return {"products": native_gemm.describe(), "attention": native_attn.describe(),
-            "threads": native_pool.describe()}
+            "threads": native_pool.describe(), "block_products": native_quant.describe()}
 
 
 class Engine:

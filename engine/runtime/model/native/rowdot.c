@@ -8,6 +8,10 @@
  * on the thread count or on the blocking: batch invariant by construction. The weight is packed
  * once into panels of 32 columns (k-major), so a block of up to 12 rows reads each weight value
  * once and a decode step (one row) streams the weights once.
+ *
+ * hicache_rowdot_quant (below) computes the same products from a GGUF file's Q4_1/Q8_0 blocks
+ * (native_quant.py): the same float32 values rebuilt exactly, the same chains, the same bits,
+ * a fifth of the bytes; hicache_rowdot_bf16 is the bfloat16 path (AVX512_BF16).
  */
 #include <stdint.h>
 #include <string.h>
