@@ -283,6 +283,7 @@ struct job {
  * takes fewer): item i is the rows of chunk i / panels (RC rows: they stay in the core's L2
  * while the threads go through the panels) against panel i % panels, in blocks of MR rows. */
 #define RC (8 * MR)
+#define GROUP 4       /* panels a thread takes at a time for a few rows (run, qrun) */
 
 static int64_t items_of(int64_t M, int64_t panels)
 {
@@ -293,10 +294,20 @@ static void *run(void *arg)
 {
     const struct job *j = (const struct job *)arg;
     const int64_t items = items_of(j->M, j->panels);
+    /* a few rows (a decode step): GROUP consecutive items a take, so a thread streams a
+     * longer run of the weight (the hardware's prefetch starts over at every jump) */
+    const int64_t take = j->M <= 3 ? GROUP : 1;
+    int64_t it = 0, left = 0;
     for (;;) {
-        int64_t it = __atomic_fetch_add(j->next, 1, __ATOMIC_RELAXED);
-        if (it >= items)
-            break;
+        if (left == 0) {
+            it = __atomic_fetch_add(j->next, 1, __ATOMIC_RELAXED) * take;
+            if (it >= items)
+                break;
+            left = items - it < take ? items - it : take;
+        } else {
+            it++;
+        }
+        left--;
         int64_t q = it % j->panels, m0 = it / j->panels * RC;
         int64_t m1 = m0 + RC < j->M ? m0 + RC : j->M;
         int64_t n = 32 * q, cols = j->N - n < 32 ? j->N - n : 32;
@@ -357,8 +368,9 @@ int hicache_rowdot(const float *x, int64_t ldx, const float *p, float *o, int64_
     if (threads > MAX_THREADS)
         threads = MAX_THREADS;
     int64_t panels = (N + 31) / 32;
-    if (threads > items_of(M, panels))
-        threads = (int32_t)items_of(M, panels);
+    const int64_t takes = M <= 3 ? (panels + GROUP - 1) / GROUP : items_of(M, panels);
+    if (threads > takes)
+        threads = (int32_t)takes;
     int64_t next = 0;
     struct job job = {x, p, o, M, N, K, ldx, ldo, panels, &next};
     return on_threads(run, &job, threads);
@@ -453,6 +465,8 @@ static void quant_row(const float *x, const unsigned char *panel, int kind, int6
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t b = 0; b < blocks; b++) {
         const unsigned char *blk = panel + b * bb;
+        for (int64_t l = 0; b + 2 < blocks && l < bb; l += 64)   /* two blocks ahead */
+            _mm_prefetch((const char *)(blk + 2 * bb + l), _MM_HINT_T0);
         const float *d = (const float *)blk, *xb = x + b * QK;
         const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8),
                      d2 = _mm256_loadu_ps(d + 16), d3 = _mm256_loadu_ps(d + 24);
@@ -461,19 +475,20 @@ static void quant_row(const float *x, const unsigned char *panel, int kind, int6
             const __m256 m0 = _mm256_loadu_ps(m), m1 = _mm256_loadu_ps(m + 8),
                          m2 = _mm256_loadu_ps(m + 16), m3 = _mm256_loadu_ps(m + 24);
             const unsigned char *nib = blk + 2 * 4 * QK;
-            const __m128i low = _mm_set1_epi8(0x0F);
+            const __m256i low = _mm256_set1_epi32(0x0F);
             for (int k = 0; k < QK; k++) {
-                __m128i v = _mm_loadu_si128((const __m128i *)(nib + 16 * k));
-                __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+                /* 8 bytes widened to 8 lanes: columns j (low nibble) and j + 16 (the rest) */
+                const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(nib + 16 * k))),
+                              b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(nib + 16 * k + 8)));
                 __m256 xv = _mm256_broadcast_ss(xb + k);
                 a0 = _mm256_fmadd_ps(xv, _mm256_fmadd_ps(
-                    d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m0), a0);
+                    d0, _mm256_cvtepi32_ps(_mm256_and_si256(b0, low)), m0), a0);
                 a1 = _mm256_fmadd_ps(xv, _mm256_fmadd_ps(
-                    d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), m1), a1);
+                    d1, _mm256_cvtepi32_ps(_mm256_and_si256(b1, low)), m1), a1);
                 a2 = _mm256_fmadd_ps(xv, _mm256_fmadd_ps(
-                    d2, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m2), a2);
+                    d2, _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), m2), a2);
                 a3 = _mm256_fmadd_ps(xv, _mm256_fmadd_ps(
-                    d3, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), m3), a3);
+                    d3, _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), m3), a3);
             }
             continue;
         }
@@ -533,10 +548,17 @@ static void *qrun(void *arg)
     float buf[QK * QK] __attribute__((aligned(64)));
     float acc[QROWS_MAX * 32] __attribute__((aligned(64)));
     const int64_t bb = qblock_bytes(j->kind), blocks = j->K / QK;
+    int64_t q = 0, left = 0;
     for (;;) {
-        int64_t q = __atomic_fetch_add(j->next, 1, __ATOMIC_RELAXED);
-        if (q >= j->panels)
-            break;
+        if (left == 0) {              /* GROUP panels a take (run's reason) */
+            q = __atomic_fetch_add(j->next, 1, __ATOMIC_RELAXED) * GROUP;
+            if (q >= j->panels)
+                break;
+            left = j->panels - q < GROUP ? j->panels - q : GROUP;
+        } else {
+            q++;
+        }
+        left--;
         const int64_t n = 32 * q, cols = j->N - n < 32 ? j->N - n : 32;
         const unsigned char *panel = j->p + q * blocks * bb;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -546,6 +568,8 @@ static void *qrun(void *arg)
         }
 #endif
         for (int64_t b = 0; b < blocks; b++) {
+            for (int64_t l = 0; b + 2 < blocks && l < bb; l += 64)
+                __builtin_prefetch(panel + (b + 2) * bb + l);
             dequant_block(panel + b * bb, j->kind, buf);
             const int last = b == blocks - 1;
             for (int64_t r0 = 0; r0 < j->M; r0 += 3) {
@@ -582,8 +606,8 @@ int hicache_rowdot_quant(const float *x, int64_t ldx, const unsigned char *p, in
     if (threads > MAX_THREADS)
         threads = MAX_THREADS;
     int64_t panels = (N + 31) / 32;
-    if (threads > panels)
-        threads = (int32_t)panels;
+    if (threads > (panels + GROUP - 1) / GROUP)
+        threads = (int32_t)((panels + GROUP - 1) / GROUP);
     int64_t next = 0;
     struct qjob job = {x, p, o, M, N, K, ldx, ldo, panels, kind, &next};
     __atomic_fetch_add(&quant_products, 1, __ATOMIC_RELAXED);
