@@ -515,6 +515,69 @@ static void quant_row(const float *x, const unsigned char *panel, int kind, int6
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* Two rows against a whole panel (two decode steps in one batch): quant_row's values, each
+ * used by both rows' chains; the block's scales are read from L1 where they are needed (8
+ * accumulators, the two rows' values and one weight vector stay in the 16 registers). */
+#define QW(c, wexpr)                                                                       \
+    {                                                                                      \
+        const __m256 w = (wexpr);                                                          \
+        a0##c = _mm256_fmadd_ps(x0, w, a0##c);                                             \
+        a1##c = _mm256_fmadd_ps(x1, w, a1##c);                                             \
+    }
+static void quant_rows2(const float *x, int64_t ldx, const unsigned char *panel, int kind,
+                        int64_t blocks, int64_t bb, float *o, int64_t ldo, int64_t cols)
+{
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00,
+           a12 = a00, a13 = a00;
+    for (int64_t b = 0; b < blocks; b++) {
+        const unsigned char *blk = panel + b * bb;
+        for (int64_t l = 0; b + 2 < blocks && l < bb; l += 64)
+            _mm_prefetch((const char *)(blk + 2 * bb + l), _MM_HINT_T0);
+        const float *d = (const float *)blk, *xb = x + b * QK;
+        if (kind == 1) {
+            const float *m = d + QK;
+            const unsigned char *nib = blk + 2 * 4 * QK;
+            const __m256i low = _mm256_set1_epi32(0x0F);
+            for (int k = 0; k < QK; k++) {
+                const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(nib + 16 * k))),
+                              b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(nib + 16 * k + 8)));
+                const __m256 x0 = _mm256_broadcast_ss(xb + k), x1 = _mm256_broadcast_ss(xb + ldx + k);
+                QW(0, _mm256_fmadd_ps(_mm256_loadu_ps(d), _mm256_cvtepi32_ps(_mm256_and_si256(b0, low)),
+                                      _mm256_loadu_ps(m)))
+                QW(1, _mm256_fmadd_ps(_mm256_loadu_ps(d + 8), _mm256_cvtepi32_ps(_mm256_and_si256(b1, low)),
+                                      _mm256_loadu_ps(m + 8)))
+                QW(2, _mm256_fmadd_ps(_mm256_loadu_ps(d + 16), _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)),
+                                      _mm256_loadu_ps(m + 16)))
+                QW(3, _mm256_fmadd_ps(_mm256_loadu_ps(d + 24), _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)),
+                                      _mm256_loadu_ps(m + 24)))
+            }
+            continue;
+        }
+        const signed char *q = (const signed char *)(blk + 4 * QK);
+        for (int k = 0; k < QK; k++) {
+            const signed char *qk = q + QK * k;
+            const __m256 x0 = _mm256_broadcast_ss(xb + k), x1 = _mm256_broadcast_ss(xb + ldx + k);
+            QW(0, _mm256_mul_ps(_mm256_loadu_ps(d), _mm256_cvtepi32_ps(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)qk)))))
+            QW(1, _mm256_mul_ps(_mm256_loadu_ps(d + 8), _mm256_cvtepi32_ps(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qk + 8))))))
+            QW(2, _mm256_mul_ps(_mm256_loadu_ps(d + 16), _mm256_cvtepi32_ps(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qk + 16))))))
+            QW(3, _mm256_mul_ps(_mm256_loadu_ps(d + 24), _mm256_cvtepi32_ps(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qk + 24))))))
+        }
+    }
+    float tmp[32];
+    _mm256_storeu_ps(tmp, a00); _mm256_storeu_ps(tmp + 8, a01);
+    _mm256_storeu_ps(tmp + 16, a02); _mm256_storeu_ps(tmp + 24, a03);
+    memcpy(o, tmp, sizeof(float) * (size_t)cols);
+    _mm256_storeu_ps(tmp, a10); _mm256_storeu_ps(tmp + 8, a11);
+    _mm256_storeu_ps(tmp + 16, a12); _mm256_storeu_ps(tmp + 24, a13);
+    memcpy(o + ldo, tmp, sizeof(float) * (size_t)cols);
+}
+#endif
+
 #if !defined(HC_AVX2)
 /* R rows (at most 3) against 32 k-steps of a float32 panel slice, the chains continued from
  * `in` (rows 32 floats apart) when given: the fused multiply-adds of BLOCK above, in order */
@@ -564,6 +627,10 @@ static void *qrun(void *arg)
 #if defined(__AVX2__) && defined(__FMA__)
         if (j->M == 1) {
             quant_row(j->x, panel, j->kind, blocks, bb, j->o + n, cols);
+            continue;
+        }
+        if (j->M == 2) {
+            quant_rows2(j->x, j->ldx, panel, j->kind, blocks, bb, j->o + n, j->ldo, cols);
             continue;
         }
 #endif
