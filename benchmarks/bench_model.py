@@ -16,7 +16,9 @@ Default mode, per prompt length (random tokens, the same on every side):
   limit is GEMM FLOP/s over the FLOPs of one prompt token (2 x the layers' weights, plus the
   causal attention's 2·T·heads·head_dim per layer on average); the decode limit is the read
   bandwidth over the bytes one decode step must read (every layer weight and the LM head in
-  fp32, plus the context's KV).
+  fp32, plus the context's KV: the float32-weights limit); a second decode limit takes the
+  bytes this path's step actually reads (the GGUF's blocks where the products read them,
+  engine/runtime/model/native_quant.py, plus the KV).
 * **hicache**: ``Model.forward`` on the exact path (the server's kernels), the prompt in
   ``--chunk``-token chunks (the server's chunked prefill, default 512), then ``--decode``
   greedy one-token steps; prefill tokens/s and decode tokens/s. Cached TTFT: the prompt again
@@ -29,6 +31,9 @@ Default mode, per prompt length (random tokens, the same on every side):
   KV cache; run in this interpreter when it has ``transformers`` and ``gguf``, else by
   ``--hf-python`` (an interpreter that has them; the peer venv), else skipped — said so.
   Its greedy tokens are compared with hicache's.
+* **float32 panels** (unless ``--no-float32-panels``, or the model has no GGUF blocks): the
+  same path with ``HICACHE_EXACT_QUANT=0`` (the products read float32 panels only), in the
+  same rounds; its decode tokens/s, cached TTFT and whether its greedy tokens are the same.
 * **torch kernels** (unless ``--no-torch-kernels``): the same exact path with
   ``HICACHE_EXACT_NATIVE=0`` (the torch items and torch attention the native kernels replaced),
   in the same process: the before/after of the native kernels.
