@@ -394,6 +394,15 @@ int hicache_rowdot(const float *x, int64_t ldx, const float *p, float *o, int64_
 #define QROWS_MAX 24
 static int64_t quant_products;
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* four vectors of 8 from p: a block's 32 scales or offsets */
+#define LOAD32(v, p)                                                                       \
+    const __m256 v##0 = _mm256_loadu_ps(p), v##1 = _mm256_loadu_ps((p) + 8),              \
+                 v##2 = _mm256_loadu_ps((p) + 16), v##3 = _mm256_loadu_ps((p) + 24)
+/* 8 bytes at p widened to 8 lanes (Q4_1: columns j in the low nibble, j + 16 above it) */
+#define WIDEN8(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#endif
+
 static inline int64_t qblock_bytes(int kind)
 {
     return kind == 1 ? 2 * 4 * QK + QK * QK / 2 : 4 * QK + QK * QK;
@@ -404,24 +413,18 @@ static void dequant_block(const unsigned char *blk, int kind, float *buf)
 {
     const float *d = (const float *)blk;
 #if defined(__AVX2__) && defined(__FMA__)
-    const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8),
-                 d2 = _mm256_loadu_ps(d + 16), d3 = _mm256_loadu_ps(d + 24);
+    LOAD32(d, d);
     if (kind == 1) {
-        const float *m = d + QK;
-        const __m256 m0 = _mm256_loadu_ps(m), m1 = _mm256_loadu_ps(m + 8),
-                     m2 = _mm256_loadu_ps(m + 16), m3 = _mm256_loadu_ps(m + 24);
+        LOAD32(m, d + QK);
         const unsigned char *nib = blk + 2 * 4 * QK;
-        const __m128i low = _mm_set1_epi8(0x0F);
+        const __m256i low = _mm256_set1_epi32(0x0F);
         for (int k = 0; k < QK; k++) {
-            __m128i v = _mm_loadu_si128((const __m128i *)(nib + 16 * k));
-            __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+            const __m256i b0 = WIDEN8(nib + 16 * k), b1 = WIDEN8(nib + 16 * k + 8);
             float *b = buf + QK * k;
-            _mm256_storeu_ps(b, _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m0));
-            _mm256_storeu_ps(b + 8, _mm256_fmadd_ps(
-                d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), m1));
-            _mm256_storeu_ps(b + 16, _mm256_fmadd_ps(d2, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m2));
-            _mm256_storeu_ps(b + 24, _mm256_fmadd_ps(
-                d3, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), m3));
+            _mm256_storeu_ps(b, _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_and_si256(b0, low)), m0));
+            _mm256_storeu_ps(b + 8, _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(_mm256_and_si256(b1, low)), m1));
+            _mm256_storeu_ps(b + 16, _mm256_fmadd_ps(d2, _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), m2));
+            _mm256_storeu_ps(b + 24, _mm256_fmadd_ps(d3, _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), m3));
         }
         return;
     }
@@ -468,18 +471,13 @@ static void quant_row(const float *x, const unsigned char *panel, int kind, int6
         for (int64_t l = 0; b + 2 < blocks && l < bb; l += 64)   /* two blocks ahead */
             _mm_prefetch((const char *)(blk + 2 * bb + l), _MM_HINT_T0);
         const float *d = (const float *)blk, *xb = x + b * QK;
-        const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8),
-                     d2 = _mm256_loadu_ps(d + 16), d3 = _mm256_loadu_ps(d + 24);
+        LOAD32(d, d);
         if (kind == 1) {
-            const float *m = d + QK;
-            const __m256 m0 = _mm256_loadu_ps(m), m1 = _mm256_loadu_ps(m + 8),
-                         m2 = _mm256_loadu_ps(m + 16), m3 = _mm256_loadu_ps(m + 24);
+            LOAD32(m, d + QK);
             const unsigned char *nib = blk + 2 * 4 * QK;
             const __m256i low = _mm256_set1_epi32(0x0F);
             for (int k = 0; k < QK; k++) {
-                /* 8 bytes widened to 8 lanes: columns j (low nibble) and j + 16 (the rest) */
-                const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(nib + 16 * k))),
-                              b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(nib + 16 * k + 8)));
+                const __m256i b0 = WIDEN8(nib + 16 * k), b1 = WIDEN8(nib + 16 * k + 8);
                 __m256 xv = _mm256_broadcast_ss(xb + k);
                 a0 = _mm256_fmadd_ps(xv, _mm256_fmadd_ps(
                     d0, _mm256_cvtepi32_ps(_mm256_and_si256(b0, low)), m0), a0);
@@ -540,8 +538,7 @@ static void quant_rows2(const float *x, int64_t ldx, const unsigned char *panel,
             const unsigned char *nib = blk + 2 * 4 * QK;
             const __m256i low = _mm256_set1_epi32(0x0F);
             for (int k = 0; k < QK; k++) {
-                const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(nib + 16 * k))),
-                              b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(nib + 16 * k + 8)));
+                const __m256i b0 = WIDEN8(nib + 16 * k), b1 = WIDEN8(nib + 16 * k + 8);
                 const __m256 x0 = _mm256_broadcast_ss(xb + k), x1 = _mm256_broadcast_ss(xb + ldx + k);
                 QW(0, _mm256_fmadd_ps(_mm256_loadu_ps(d), _mm256_cvtepi32_ps(_mm256_and_si256(b0, low)),
                                       _mm256_loadu_ps(m)))
