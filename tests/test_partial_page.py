@@ -333,6 +333,26 @@ def test_no_copy_from_a_page_being_loaded():
     cache.close()
 
 
+def test_the_copy_source_counts_as_used_for_eviction():
+    """The page a request's first tokens were copied from was used by it: LRU eviction then
+    takes the branch nobody used since, not the copy's source (older before the copy)."""
+    cache = _fake_cache(16)
+    p, q, r = [1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23]
+    _put(cache, p + q)
+    _put(cache, p + r)                             # q's branch is the LRU leaf
+    y = np.asarray(p + [5, 6, 99])
+    a = cache.admit(y, None, rid="y")
+    assert a is not None and a.partial_len == 2
+    cache.release(y, a.pages, insert=False, n_prefix_pages=a.n_prefix_pages, receipt=a.receipt)
+    cache.evict_l1(1)
+    walk = lambda s: cache.tree.walk(np.asarray(s, dtype=np.uint32), None, split=False)[0]
+    assert len(walk(p + r)) == 1                   # r's branch left
+    q_path = walk(p + q)
+    assert len(q_path) == 2 and q_path[-1].l1 is not None
+    assert_healthy(cache, idle=True)
+    cache.close()
+
+
 def test_no_copy_from_a_page_the_admission_evicted():
     """A tiny L1: allocating the request's own pages evicts the very page that started with
     its next tokens. The lookup runs after the allocation, so it finds nothing to copy."""

@@ -242,6 +242,10 @@ class HiCache(EvictionMethods, HintMethods):
         assert c < p, f"a whole page of {src!r} after the match was not matched"
         assert src.l1 is not None and self.l1 is not None   # tested above / by admit
         self.l1.copy_slots(int(src.l1[0]), int(a.pages[a.n_prefix_pages]), c)
+        self.tree.clock += 1                # the source served this request: recently used
+        src.last_access = self.tree.clock
+        src.hit_count += 1
+        self._push_candidate(src)
         a.partial_len = c
         a.device_len += c
         self.counters["hit_l1_partial_tokens"] += c
