@@ -64,7 +64,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, threads: int | None = None) -> torc
     # threads start per call: a small product (a decode step's) takes fewer (same bits)
     t = torch.get_num_threads() if threads is None else threads
     t = max(1, min(t, (M * N * K) >> 15))
-    if M <= native_quant.ROWS and native_quant.product(xc, w, out, t):
+    if native_quant.product(xc, w, out, t):   # (at most native_quant.ROWS rows)
         return out                    # from the GGUF's blocks: the same bits, fewer bytes
     packed = pack(w)
     fn(xc.data_ptr(), K, packed.data_ptr(), out.data_ptr(), N, M, N, K, t)

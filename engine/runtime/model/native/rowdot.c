@@ -290,24 +290,30 @@ static int64_t items_of(int64_t M, int64_t panels)
     return (M + RC - 1) / RC * panels;
 }
 
+/* A thread's next work item, `take` consecutive items at a time from the shared counter (a
+ * few rows: GROUP, so a thread streams a longer run of the weight; the hardware's prefetch
+ * starts over at every jump); -1 when none is left. `it` and `left` are the thread's own. */
+static int64_t next_item(int64_t *next, int64_t items, int64_t take, int64_t *it,
+                         int64_t *left)
+{
+    if (*left == 0) {
+        *it = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED) * take;
+        if (*it >= items)
+            return -1;
+        *left = items - *it < take ? items - *it : take;
+    } else {
+        ++*it;
+    }
+    --*left;
+    return *it;
+}
+
 static void *run(void *arg)
 {
     const struct job *j = (const struct job *)arg;
-    const int64_t items = items_of(j->M, j->panels);
-    /* a few rows (a decode step): GROUP consecutive items a take, so a thread streams a
-     * longer run of the weight (the hardware's prefetch starts over at every jump) */
-    const int64_t take = j->M <= 3 ? GROUP : 1;
+    const int64_t items = items_of(j->M, j->panels), take = j->M <= 3 ? GROUP : 1;
     int64_t it = 0, left = 0;
-    for (;;) {
-        if (left == 0) {
-            it = __atomic_fetch_add(j->next, 1, __ATOMIC_RELAXED) * take;
-            if (it >= items)
-                break;
-            left = items - it < take ? items - it : take;
-        } else {
-            it++;
-        }
-        left--;
+    while (next_item(j->next, items, take, &it, &left) >= 0) {
         int64_t q = it % j->panels, m0 = it / j->panels * RC;
         int64_t m1 = m0 + RC < j->M ? m0 + RC : j->M;
         int64_t n = 32 * q, cols = j->N - n < 32 ? j->N - n : 32;
@@ -609,16 +615,7 @@ static void *qrun(void *arg)
     float acc[QROWS_MAX * 32] __attribute__((aligned(64)));
     const int64_t bb = qblock_bytes(j->kind), blocks = j->K / QK;
     int64_t q = 0, left = 0;
-    for (;;) {
-        if (left == 0) {              /* GROUP panels a take (run's reason) */
-            q = __atomic_fetch_add(j->next, 1, __ATOMIC_RELAXED) * GROUP;
-            if (q >= j->panels)
-                break;
-            left = j->panels - q < GROUP ? j->panels - q : GROUP;
-        } else {
-            q++;
-        }
-        left--;
+    while (next_item(j->next, j->panels, GROUP, &q, &left) >= 0) {
         const int64_t n = 32 * q, cols = j->N - n < 32 ? j->N - n : 32;
         const unsigned char *panel = j->p + q * blocks * bb;
 #if defined(__AVX2__) && defined(__FMA__)
