@@ -143,10 +143,13 @@ def test_block_products_have_the_same_bits_on_every_isa(rowdot_libs, kind, M, N,
 
 # (queries, q-heads, kv-heads, head dim, value dim, keys): decode at a long context, a
 # chunk, odd dims (the 8- and 16-wide transposes' rests), one key; up to 64 rows a kv-head
-# take the short path's phases, more the row blocks (the last three)
+# take the short path's phases, more the row blocks (the last four; the last one's rows see
+# more keys than one of the row blocks' P @ V chunks of 1,024, with a value dim that ends
+# in a part of a 16-column range)
 ATTENTION = [(1, 9, 3, 64, 64, 1030), (16, 9, 3, 64, 64, 300), (21, 6, 2, 40, 72, 53),
              (5, 4, 4, 13, 7, 9), (1, 2, 1, 8, 8, 1), (3, 8, 2, 24, 20, 37),
-             (30, 6, 2, 40, 72, 80), (64, 9, 3, 64, 64, 300), (70, 1, 1, 8, 33, 75)]
+             (30, 6, 2, 40, 72, 80), (64, 9, 3, 64, 64, 300), (70, 1, 1, 8, 33, 75),
+             (36, 4, 2, 16, 20, 2100)]
 
 
 @pytest.mark.parametrize("M,Hq,Hkv,D,Dv,T", ATTENTION)
@@ -252,11 +255,12 @@ def test_short_and_long_paths_give_a_row_the_same_bits():
     if not native_attn.available():
         pytest.skip(f"native attention: {native_attn.describe()}")
     g = torch.Generator().manual_seed(11)
-    M, Hq, Hkv, D, T = 40, 9, 3, 64, 700                # 120 rows a kv-head: the long path
-    q = torch.randn(M, Hq, D, generator=g) * 2
-    k, v = torch.randn(T, Hkv, D, generator=g), torch.randn(T, Hkv, D, generator=g)
-    pos = torch.arange(T - M, T)
-    whole = native_attn.attention(q, k, v, pos, 0.125, threads=2)
-    for lo, hi in ((39, 40), (0, 1), (10, 26), (5, 26)):  # 3, 3, 48 and 63 rows: short
-        got = native_attn.attention(q[lo:hi], k, v, pos[lo:hi], 0.125, threads=2)
-        assert torch.equal(got, whole[lo:hi]), (lo, hi)
+    # 120 rows a kv-head: the long path; 700 keys fit one of its P @ V chunks, 2,100 take three
+    for M, Hq, Hkv, D, T in ((40, 9, 3, 64, 700), (40, 9, 3, 64, 2100)):
+        q = torch.randn(M, Hq, D, generator=g) * 2
+        k, v = torch.randn(T, Hkv, D, generator=g), torch.randn(T, Hkv, D, generator=g)
+        pos = torch.arange(T - M, T)
+        whole = native_attn.attention(q, k, v, pos, 0.125, threads=2)
+        for lo, hi in ((39, 40), (0, 1), (10, 26), (5, 26)):  # 3, 3, 48 and 63 rows: short
+            got = native_attn.attention(q[lo:hi], k, v, pos[lo:hi], 0.125, threads=2)
+            assert torch.equal(got, whole[lo:hi]), (T, lo, hi)
