@@ -13,7 +13,8 @@
  * heads, every query) are taken 12 at a time (two 6-row score tiles, 6-row x 16-column P @ V
  * tiles on AVX2; 8 rows took a fifth longer on a 512-token chunk). Once per call the keys are
  * transposed into blocks of 16 (a key per vector lane) and, on AVX2, the values laid out by
- * kv-head, both into a buffer the calling thread keeps, read by every row block. A short chunk
+ * kv-head and 16-column range (vt_at), both into a buffer the calling thread keeps, read by
+ * every row block. A short chunk
  * (every kv-head's rows in one block: a decode step) takes three phases over all kv-heads
  * instead (short_scores below). Rows are copied in address order before they are read kv-head
  * by kv-head: read where they are, 16 or 64 rows apart, the hardware's prefetch did not follow.
@@ -254,7 +255,7 @@ struct task_args {
     int64_t tasks, per_head;              /* row blocks: per_head per kv-head */
     int32_t threads;
     float *kt;                            /* keys transposed: [Hkv][nblk][D][16] */
-    float *vt;                            /* values by kv-head: [Hkv][nblk * 16][Dv] (AVX2) */
+    float *vt;                 /* values: [Hkv][(Dv + 15) / 16][nblk * 16][16] (AVX2) */
     int64_t nblk;
     int64_t *next;                        /* the next item of the phase (shared, atomic) */
     /* a short chunk (every kv-head's rows in one block of R = M * G): the scores of every
@@ -446,7 +447,7 @@ static void pv_tile32_avx2(int64_t R, const int64_t *n, const float *buf, int64_
 /* P @ V of a row block (the long path): PV_KEYS keys at a time, every row and column of the
  * block over them before the next ones; the chains kept in acc [R][Dp] between key chunks.
  * The values come from vt, where each kv-head's 16-column ranges lie one after the other,
- * every key's 16 values of a range contiguous ([Hkv][Dv / 16][keys][16], see vt_at): a tile
+ * every key's 16 values of a range contiguous ([Hkv][(Dv + 15) / 16][keys][16]): a tile
  * reads one contiguous run of 64 bytes a key. (Read from rows of all Dv columns, each tile
  * fetched a different line of every row, 256 bytes apart: 7% of the attention's time.) */
 static inline float *vt_at(const struct task_args *a, int64_t h, int64_t c)
