@@ -23,6 +23,7 @@ from typing import Callable
 
 from aiohttp import web
 
+from engine.core.heap import freeze_startup_objects
 from engine.runtime.config import ServerConfig
 from engine.runtime.launch.group import RankGroup
 from engine.runtime.launch.node import serve_node
@@ -141,6 +142,8 @@ def serve(cfg: ServerConfig, on_ready: Callable[[str, Engine], None] | None = No
     ``on_exit`` runs after the scheduler stopped (the cache is quiescent), before it closes.
     """
     engine = make_engine(cfg)
+    log.info("%d startup objects frozen out of the garbage collector's passes",
+             freeze_startup_objects())
     engine.start()
 
     async def main() -> None:

@@ -58,9 +58,35 @@ def resolve_gguf(spec: Any) -> str | None:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of the file: its name, its GGML type and its bytes (a view of the file's
+    memory map)."""
+
+    name: str
+    tensor_type: Any
+    data: np.ndarray
+
+
+class GGUFFile:
+    """A GGUF file's metadata values and tensors, read once by ``gguf.GGUFReader``, which is
+    then dropped. The reader keeps a memory-mapped array for every part of every value: about
+    half a million Python objects for a 49K-token vocabulary. Kept for the process's life
+    (for the tokenizer and a second load), they made every full pass of Python's garbage
+    collector walk them: 170-200 ms, a stall of many decode steps in a serving process. The
+    values here are plain Python values (a vocabulary is one list of strings) and the tensors
+    views of the same file mapping."""
+
+    def __init__(self, reader: Any):
+        self.values: dict[str, Any] = {k: f.contents() for k, f in reader.fields.items()}
+        self.tensors: tuple[GGUFTensor, ...] = tuple(
+            GGUFTensor(t.name, t.tensor_type, t.data) for t in reader.tensors)
+
+
 @functools.lru_cache(maxsize=2)
-def open_gguf(path: str) -> Any:
-    """The file's reader (memory-mapped; kept for the tokenizer and a second load)."""
+def open_gguf(path: str) -> GGUFFile:
+    """The file's values and tensors (memory-mapped; kept for the tokenizer and a second
+    load)."""
     try:
         import gguf
     except ImportError:
@@ -69,17 +95,16 @@ def open_gguf(path: str) -> Any:
     if size > MAX_GGUF_BYTES:
         raise InputError(f"{path}: {size} bytes is beyond the {MAX_GGUF_BYTES} byte limit")
     try:
-        return gguf.GGUFReader(path)
-    except (ValueError, KeyError, IndexError) as exc:
+        return GGUFFile(gguf.GGUFReader(path))
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
         raise InputError(f"{path}: not a readable GGUF file ({exc})") from None
 
 
-def _field(r: Any, key: str, default: Any = None) -> Any:
-    f = r.fields.get(key)
-    return default if f is None else f.contents()
+def _field(r: GGUFFile, key: str, default: Any = None) -> Any:
+    return r.values.get(key, default)
 
 
-def gguf_config(r: Any, name: str) -> ModelConfig:
+def gguf_config(r: GGUFFile, name: str) -> ModelConfig:
     arch = _field(r, "general.architecture")
     if arch != "llama":
         raise InputError(f"GGUF architecture {arch!r} is not supported (only llama)")
@@ -92,7 +117,7 @@ def gguf_config(r: Any, name: str) -> ModelConfig:
             num_heads=heads, num_kv_heads=int(_field(r, p + "attention.head_count_kv", heads)),
             head_dim=int(_field(r, p + "rope.dimension_count", hidden // heads)),
             intermediate=int(_field(r, p + "feed_forward_length")),
-            vocab_size=len(r.fields["tokenizer.ggml.tokens"].data),
+            vocab_size=len(r.values["tokenizer.ggml.tokens"]),
             max_context=int(_field(r, p + "context_length", 4096)),
             rope_theta=float(_field(r, p + "rope.freq_base", 10000.0)),
             rms_eps=float(_field(r, p + "attention.layer_norm_rms_epsilon", 1e-5)),
@@ -104,7 +129,7 @@ def gguf_config(r: Any, name: str) -> ModelConfig:
     return cfg
 
 
-def _tensor(r: Any, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+def _tensor(r: GGUFFile, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     from gguf import quants
 
     t = next((t for t in r.tensors if t.name == name), None)
@@ -137,7 +162,7 @@ def _cat(ws: list[torch.Tensor]) -> torch.Tensor:
     return native_quant.concat(ws, torch.cat(ws))
 
 
-def gguf_weights(r: Any, cfg: ModelConfig) -> ModelWeights:
+def gguf_weights(r: GGUFFile, cfg: ModelConfig) -> ModelWeights:
     H, I, D = cfg.hidden, cfg.intermediate, cfg.head_dim
     Hq, Hkv = cfg.num_heads, cfg.num_kv_heads
     layers = []
@@ -175,7 +200,7 @@ _BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": T
                "use_regex": True}
 
 
-def gguf_tokenizer_spec(r: Any) -> GGUFTokenizerSpec:
+def gguf_tokenizer_spec(r: GGUFFile) -> GGUFTokenizerSpec:
     """A Hugging Face ``tokenizer.json`` for a GGUF ``gpt2`` (byte-level BPE) vocabulary."""
     kind = _field(r, "tokenizer.ggml.model")
     if kind != "gpt2":

@@ -22,6 +22,7 @@ import signal
 import sys
 from typing import Any
 
+from engine.core.heap import freeze_startup_objects
 from engine.parallel.launch import ExitBoard
 from engine.runtime.config import ServerConfig
 from engine.runtime.ranks.build import build_rank
@@ -73,6 +74,7 @@ def rank_main(rank: int, world: int, rendezvous: Any, cfg: ServerConfig) -> None
         return
     sched = parts.scheduler
     assert isinstance(sched, LockstepScheduler)
+    freeze_startup_objects()             # the rank's model and cache: out of the GC's passes
     if os.environ.get(FAULT_ENV) == str(rank):
         _inject_fault(parts)
     try:
