@@ -309,9 +309,9 @@ static inline int64_t fewest(const int64_t *n, int64_t cnt)
 }
 
 /* P @ V of one tile for AVX2 (16 registers): the R rows of a kv-head (probabilities
- * buf[r * cap + t], r's visible key count n[r]) by the w <= 16 value columns d0 .. d0 + w - 1,
- * over the keys t0 .. t1 - 1 (key t's values of the kv-head at vb + sl[t] * ldv, or at
- * vb + (t - tb) * ldv without sl), 6 rows at a time, keys in order: 12 accumulators, the two value vectors of a
+ * buf[r * cap + t], r's visible key count n[r]) by the first w <= 16 value columns of one
+ * 16-column range, over the keys t0 .. t1 - 1 (key t's 16 values of the range at vb + 16 t:
+ * vt_at's layout), 6 rows at a time, keys in order: 12 accumulators, the two value vectors of a
  * key and one probability at a time in the other registers, so each value vector is loaded
  * once per 6 rows (a 3 x 32 tile reloaded it for every row: 1.75x slower on 12 rows). The
  * chains come from and go back to acc (row r at acc + r * lda): zero when t0 is 0, else the
@@ -340,9 +340,8 @@ static inline int64_t fewest(const int64_t *n, int64_t cnt)
         _mm256_storeu_ps(acc + (rs + r) * lda + 8, c##r##1);                               \
     }
 static void pv_tile16_avx2(int64_t R, const int64_t *n, const float *buf, int64_t cap,
-                           float *acc, int64_t lda, int64_t d0, int64_t w, int64_t t0,
-                           int64_t t1, const float *vb, int64_t ldv, const int64_t *sl,
-                           int64_t tb)
+                           float *acc, int64_t lda, int64_t w, int64_t t0, int64_t t1,
+                           const float *vb)
 {
     const __m256i l0 = lanes((int32_t)w), l1 = lanes((int32_t)w - 8);
     for (int64_t rs = 0; rs < R; rs += 6) {
@@ -357,20 +356,20 @@ static void pv_tile16_avx2(int64_t R, const int64_t *n, const float *buf, int64_
         const float *pr = buf + rs * cap + t0;
         if (w == 16) {
             for (int64_t t = t0; t < tm; t++, pr++) {
-                const float *vr = vb + (sl ? sl[t] : t - tb) * ldv + d0;
+                const float *vr = vb + 16 * t;
                 const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
                 P6_ROW(0) P6_ROW(1) P6_ROW(2) P6_ROW(3) P6_ROW(4) P6_ROW(5)
             }
         } else {
             for (int64_t t = t0; t < tm; t++, pr++) {
-                const float *vr = vb + (sl ? sl[t] : t - tb) * ldv + d0;
+                const float *vr = vb + 16 * t;
                 const __m256 v0 = _mm256_maskload_ps(vr, l0), v1 = _mm256_maskload_ps(vr + 8, l1);
                 P6_ROW(0) P6_ROW(1) P6_ROW(2) P6_ROW(3) P6_ROW(4) P6_ROW(5)
             }
         }
         /* the rest: each row up to its own last key */
         for (int64_t t = tm; t < t1; t++, pr++) {
-            const float *vr = vb + (sl ? sl[t] : t - tb) * ldv + d0;
+            const float *vr = vb + 16 * t;
             const __m256 v0 = _mm256_maskload_ps(vr, l0), v1 = _mm256_maskload_ps(vr + 8, l1);
             P6_MROW(0) P6_MROW(1) P6_MROW(2) P6_MROW(3) P6_MROW(4) P6_MROW(5)
         }
@@ -449,7 +448,8 @@ static void pv_tile32_avx2(int64_t R, const int64_t *n, const float *buf, int64_
  * The values come from vt, where each kv-head's 16-column ranges lie one after the other,
  * every key's 16 values of a range contiguous ([Hkv][(Dv + 15) / 16][keys][16]): a tile
  * reads one contiguous run of 64 bytes a key. (Read from rows of all Dv columns, each tile
- * fetched a different line of every row, 256 bytes apart: 7% of the attention's time.) */
+ * fetched a different line of every row, 256 bytes apart: P @ V ran ~10% slower than the
+ * scores, which do as many multiply-adds; now at their speed.) */
 static inline float *vt_at(const struct task_args *a, int64_t h, int64_t c)
 {
     return a->vt + ((h * ((a->Dv + 15) / 16) + c) * a->nblk * 16) * 16;
@@ -466,8 +466,8 @@ static void pv_avx2(const struct task_args *a, int64_t h, int64_t R, const int64
     for (int64_t t0 = 0; t0 < nmax; t0 += PV_KEYS) {
         const int64_t t1 = nmax - t0 < PV_KEYS ? nmax : t0 + PV_KEYS;
         for (int64_t d0 = dlo; d0 < dhi; d0 += 16)    /* (dlo a multiple of 16) */
-            pv_tile16_avx2(R, n, buf, cap, acc + d0, Dp, 0, dhi - d0 < 16 ? dhi - d0 : 16,
-                           t0, t1, vt_at(a, h, d0 / 16), 16, 0, 0);
+            pv_tile16_avx2(R, n, buf, cap, acc + d0, Dp, dhi - d0 < 16 ? dhi - d0 : 16, t0,
+                           t1, vt_at(a, h, d0 / 16));
     }
     for (int64_t r = 0; r < R; r++)
         memcpy(a->o + (mrow[r] * a->Hq + hq[r]) * Dv + dlo, acc + r * Dp + dlo,
@@ -879,9 +879,10 @@ static void *transpose(void *arg)
         }
 #if defined(HC_AVX2)
         /* the values too, by kv-head and 16-column range (vt_at): the row blocks' P @ V
-         * tiles read 16 columns of 64 keys at a time, which from the pool's rows of every
-         * kv-head the hardware's prefetch did not follow (a copy per block cost a twentieth
-         * of a prefill's time; this is one per call). Plain copies: the values' own bits */
+         * tiles read 16 columns of PV_KEYS keys at a time, which from the pool's rows of
+         * every kv-head the hardware's prefetch did not follow (a copy per block cost a
+         * twentieth of a prefill's time; this is one per call). Plain copies: the values'
+         * own bits */
         for (int64_t j = 0; j < rows; j++) {
             const float *vr = a->v + (a->slots ? a->slots[t0 + j] : t0 + j) * a->ldv;
             for (int64_t h = 0; h < a->Hkv; h++) {
